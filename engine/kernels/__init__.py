@@ -1,0 +1,1 @@
+"""Attention and KV-write ops: torch reference ops here; Triton kernels with the same signatures for CUDA."""

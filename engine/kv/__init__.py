@@ -1,0 +1,1 @@
+"""KV storage bookkeeping: block pool, paged block tables, dense buffers. Plain Python over ints."""

@@ -1,0 +1,88 @@
+"""Paged KV: per-request block tables over a shared pool, with prefix adoption from the prompt cache."""
+from __future__ import annotations
+
+from engine.kv.block_pool import BlockPool
+from engine.prompt_cache import PrefixCache, block_hash
+from engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PagedKV:
+    def __init__(self, pool: BlockPool, cache: PrefixCache | None) -> None:
+        self.pool = pool
+        self.cache = cache
+        self.bs = pool.block_size
+
+    def fits(self, req: Request) -> bool:
+        """Whether the request could ever run: its prefill plus one decode position fits an empty pool."""
+        return cdiv(req.prefill_target + 1, self.bs) <= self.pool.num_blocks
+
+    def admit(self, req: Request) -> bool:
+        """Adopt the longest cached prefix and allocate blocks for the rest of the prefill; False if no room."""
+        hits = self.cache.match(req.all_ids) if self.cache else []
+        n_adopt = min(len(hits), (req.seq_len - 1) // self.bs)
+        hits = hits[:n_adopt]
+        needed = cdiv(req.prefill_target, self.bs) - n_adopt
+        evictable_hits = sum(1 for b in hits if self.pool.ref[b] == 0)
+        if needed > self.pool.num_free + self.pool.num_cached - evictable_hits:
+            return False
+        for b in hits:
+            self.pool.adopt(b)
+        req.block_table = hits + [self.pool.allocate() for _ in range(needed)]
+        req.block_hashes = []
+        parent = 0
+        for i in range(n_adopt):
+            parent = block_hash(parent, req.all_ids[i * self.bs:(i + 1) * self.bs])
+            req.block_hashes.append(parent)
+        req.num_computed = req.num_allocated = n_adopt * self.bs
+        return True
+
+    def grow(self, req: Request, positions: int) -> bool:
+        """Ensure blocks cover `positions`; False (nothing allocated) if the pool cannot."""
+        needed = cdiv(positions, self.bs) - len(req.block_table)
+        if needed <= 0:
+            return True
+        if not self.pool.can_allocate(needed):
+            return False
+        req.block_table.extend(self.pool.allocate() for _ in range(needed))
+        return True
+
+    def slots(self, req: Request, start: int, end: int) -> list[int]:
+        """Flat cache slots for positions [start, end), checked writable."""
+        table, bs, out = req.block_table, self.bs, []
+        for b in range(start // bs, cdiv(end, bs)):
+            self.pool.check_writable(table[b])
+            lo, hi = max(start, b * bs), min(end, (b + 1) * bs)
+            base = table[b] * bs - b * bs
+            out.extend(range(base + lo, base + hi))
+        return out
+
+    def trim(self, req: Request, positions: int) -> None:
+        keep = cdiv(positions, self.bs)
+        while len(req.block_table) > keep:
+            self.pool.release(req.block_table.pop())
+
+    def commit(self, req: Request) -> None:
+        """Register every newly full block of committed KV with the prompt cache."""
+        if self.cache is None:
+            return
+        ids, bs = None, self.bs
+        for i in range(len(req.block_hashes), req.num_computed // bs):
+            ids = ids or req.all_ids
+            chunk = ids[i * bs:(i + 1) * bs]
+            h = block_hash(req.block_hashes[-1] if req.block_hashes else 0, chunk)
+            req.block_hashes.append(h)
+            self.cache.register(req.block_table[i], h, chunk)
+
+    def release(self, req: Request) -> None:
+        """Drop the request's references, tail first, so a chain's head is evicted last."""
+        for b in reversed(req.block_table):
+            self.pool.release(b)
+        req.block_table = []
+        req.block_hashes = []
+
+    def stats(self) -> dict[str, int]:
+        return {"free": self.pool.num_free, "used": self.pool.num_used, "cached": self.pool.num_cached}

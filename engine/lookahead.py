@@ -1,0 +1,72 @@
+"""The lookahead state machine: launch step n+1 from step n's tokens still on the device, then read step n.
+
+States: idle (nothing in flight) -> primed (one step in flight, launched with nothing before it)
+-> steady (each tick launches the next step, then reads the previous one). A row that finishes while
+a speculative step is in flight is unwound: its speculative KV position is trimmed and its token dropped.
+With lookahead off (PAGODA_FORCE_SYNC=1 or lookahead=False) every step is read back right after launch.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.request import Request, Status
+from engine.runners.base import ModelRunner, Row
+
+
+@dataclass(slots=True)
+class InFlight:
+    handle: Any
+    reqs: list[Request]
+
+
+class Lookahead:
+    def __init__(self, runner: ModelRunner, enabled: bool) -> None:
+        self.runner = runner
+        self.enabled = enabled
+        self.inflight: InFlight | None = None
+        self.state = "idle"
+        self.pipelined = 0      # ticks that launched while the previous step was in flight
+        self.unwinds = 0
+
+    def tick(self, batch: list[Request], make_row: Callable[[Request, int], Row]) -> list[tuple[Request, int]]:
+        """Launch a decode step for `batch`; return the (request, token) pairs read back this tick."""
+        prev = self.inflight
+        launched = None
+        if batch:
+            where = {r.id: i for i, r in enumerate(prev.reqs)} if prev else {}
+            rows = [make_row(r, where.get(r.id, -1)) for r in batch]
+            launched = InFlight(self.runner.forward(rows, prev.handle if prev else None), batch)
+            for r in batch:
+                r.num_allocated += 1
+            if prev:
+                self.pipelined += 1
+        if not self.enabled:
+            return self._read(launched)
+        self.inflight = launched
+        self.state = "idle" if launched is None else ("steady" if prev else "primed")
+        return self._read(prev)
+
+    def drain(self) -> list[tuple[Request, int]]:
+        prev, self.inflight, self.state = self.inflight, None, "idle"
+        return self._read(prev)
+
+    def unwind(self, req: Request, trim: Callable[[Request, int], None]) -> bool:
+        """Drop a finished row's speculative positions so its KV is exactly the synchronous path's."""
+        if req.num_allocated == req.num_computed:
+            return False
+        trim(req, req.num_computed)
+        req.num_allocated = req.num_computed
+        self.unwinds += 1
+        return True
+
+    def _read(self, step: InFlight | None) -> list[tuple[Request, int]]:
+        if step is None:
+            return []
+        out = []
+        for req, token in zip(step.reqs, self.runner.fetch(step.handle)):
+            if req.status is Status.RUNNING and req.num_allocated > req.num_computed:
+                req.num_computed += 1
+                out.append((req, token))
+        return out

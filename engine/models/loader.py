@@ -1,0 +1,83 @@
+"""Load a Hugging Face Qwen2 directory (single or sharded safetensors) into the torch model."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.models.config import ModelConfig
+from engine.models.qwen2 import Qwen2, Rope
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_RENAME = {"self_attn.o_proj.weight": "o_proj.weight", "mlp.down_proj.weight": "down.weight",
+           "input_layernorm.weight": "input_norm.weight", "post_attention_layernorm.weight": "post_norm.weight"}
+_FUSED = {"self_attn.q_proj": ("qkv", 0), "self_attn.k_proj": ("qkv", 1), "self_attn.v_proj": ("qkv", 2),
+          "mlp.gate_proj": ("gate_up", 0), "mlp.up_proj": ("gate_up", 1)}
+
+
+def resolve_dtype(name: str, cfg: ModelConfig) -> torch.dtype:
+    if name == "auto":
+        name = cfg.torch_dtype if cfg.torch_dtype in DTYPES else "float32"
+    return DTYPES[name]
+
+
+def shard_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / f for f in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model: no *.safetensors in {path}")
+    return files
+
+
+def load_state(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Our parameter names from the checkpoint's, with q/k/v and gate/up fused."""
+    state: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    for file in shard_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name).to(dtype)
+                if name == "model.embed_tokens.weight":
+                    state["embed.weight"] = tensor
+                elif name == "model.norm.weight":
+                    state["norm.weight"] = tensor
+                elif name == "lm_head.weight":
+                    state["lm_head.weight"] = tensor
+                elif m := _LAYER.fullmatch(name):
+                    layer, rest = m.groups()
+                    stem, _, kind = rest.rpartition(".")
+                    if stem in _FUSED:
+                        target, slot = _FUSED[stem]
+                        parts.setdefault(f"layers.{layer}.{target}.{kind}", {})[slot] = tensor
+                    elif rest in _RENAME:
+                        state[f"layers.{layer}.{_RENAME[rest]}"] = tensor
+    for name, pieces in parts.items():
+        state[name] = torch.cat([pieces[i] for i in sorted(pieces)], dim=0)
+    return state
+
+
+def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu") -> Qwen2:
+    path = Path(path)
+    cfg = ModelConfig.from_dir(path)
+    torch_dtype = resolve_dtype(dtype, cfg)
+    state = load_state(path, torch_dtype)
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in state:
+        raise ValueError(f"model: {path} has untied embeddings but no lm_head.weight")
+    with torch.device("meta"):
+        model = Qwen2(cfg)
+    model.load_state_dict(state, strict=False, assign=True)
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"model: {path} lacks weights for {missing[:4]}")
+    model.rope = Rope(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+    return model.to(device).eval()

@@ -1,0 +1,67 @@
+"""Per-request state: prompt and output ids, status, timings, committed vs allocated KV length."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from engine.sampling import SamplingParams
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Request:
+    id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None      # stop | length | abort | error
+    error: str | None = None
+    cancelled: bool = False
+    # KV: positions [0, num_computed) hold committed KV; [num_computed, num_allocated) are in flight
+    num_computed: int = 0
+    num_allocated: int = 0
+    num_cached: int = -1                  # tokens adopted from the prompt cache at first admission
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    buf: int = -1                         # dense buffer id
+    # text
+    text: str = ""
+    sent_text: int = 0                    # chars of `text` already streamed
+    sent_ids: int = 0                     # output ids already streamed
+    detok: object | None = None
+    # timings (monotonic seconds)
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefill_target(self) -> int:
+        """Positions whose KV must exist before decoding: all but the last token once output exists."""
+        return self.seq_len - 1 if self.output_ids else len(self.prompt_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < self.prefill_target
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def in_flight(self) -> int:
+        return self.num_allocated - self.num_computed

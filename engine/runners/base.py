@@ -1,0 +1,43 @@
+"""The ModelRunner protocol and the Row a runner computes: plain data handed over by the core."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from engine.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class Row:
+    seq: int                      # request id: keys the per-request sampler state
+    start: int                    # position of the first input token
+    tokens: list[int]             # host input tokens; empty when the input is the previous step's sample
+    prev: int = -1                # index of this row's input in the previous step's sampled tokens
+    slots: list[int] = field(default_factory=list)        # paged: flat cache slots of the new positions
+    block_table: list[int] = field(default_factory=list)  # paged: the sequence's blocks
+    buf: int = -1                 # dense: the sequence's buffer
+    sample: bool = True
+    params: SamplingParams | None = None
+    ban: tuple[int, ...] = ()     # token ids masked out (min_tokens not reached)
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens) or 1
+
+
+class ModelRunner(Protocol):
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    bytes_per_token: int          # KV bytes of one position, all layers
+    tokens_computed: int          # positions run through the model, prefill and decode
+
+    def init_paged(self, num_blocks: int, block_size: int) -> None: ...
+    def forward(self, rows: list[Row], prev: Any | None) -> Any:
+        """Launch one step; returns a handle whose sampled tokens stay on the device until `fetch`."""
+    def fetch(self, handle: Any) -> list[int]:
+        """Read a step's sampled tokens (-1 for rows that did not sample)."""
+    def release(self, seq: int) -> None: ...
+    def dense_alloc(self, capacity: int) -> int: ...
+    def dense_resize(self, buf: int, capacity: int) -> None: ...
+    def dense_free(self, buf: int) -> None: ...

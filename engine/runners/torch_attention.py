@@ -1,0 +1,57 @@
+"""Per-step attention for the torch runner: write new K/V in place, then attend over paged or dense KV."""
+from __future__ import annotations
+
+import torch
+
+from engine.kernels import reference as ref
+from engine.runners.base import Row
+
+
+def paged(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: list[Row], scale: float, device: torch.device):
+    """k_cache/v_cache [layers, num_blocks, block_size, n_kv, hd]."""
+    slots = torch.tensor([s for r in rows for s in r.slots], dtype=torch.long, device=device)
+    if all(r.length == 1 for r in rows):
+        width = max(len(r.block_table) for r in rows)
+        tables = torch.tensor([r.block_table + [0] * (width - len(r.block_table)) for r in rows],
+                              dtype=torch.long, device=device)
+        lens = [r.start + 1 for r in rows]
+        seq_lens = torch.tensor(lens, dtype=torch.long, device=device)
+        max_len = max(lens)
+
+        def decode(layer: int, q, k, v):
+            ref.write_kv(k_cache[layer], v_cache[layer], slots, k, v)
+            return ref.paged_decode_attention(q, k_cache[layer], v_cache[layer], tables, seq_lens, scale, max_len)
+        return decode
+
+    spans = _spans(rows)
+    tables = [torch.tensor(r.block_table, dtype=torch.long, device=device) for r in rows]
+
+    def prefill(layer: int, q, k, v):
+        ref.write_kv(k_cache[layer], v_cache[layer], slots, k, v)
+        outs = [ref.paged_prefill_attention(q[o:o + n], k_cache[layer], v_cache[layer], table, start, scale)
+                for (o, n, start), table in zip(spans, tables)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+    return prefill
+
+
+def dense(buffers: dict[int, torch.Tensor], rows: list[Row], scale: float):
+    """Each buffer is [layers, 2, capacity, n_kv, hd]; attention reads a view of it, no copy."""
+    spans = [(o, n, start, buffers[r.buf]) for (o, n, start), r in zip(_spans(rows), rows)]
+
+    def attend(layer: int, q, k, v):
+        outs = []
+        for o, n, start, buf in spans:
+            buf[layer, 0, start:start + n] = k[o:o + n]
+            buf[layer, 1, start:start + n] = v[o:o + n]
+            outs.append(ref.causal_attention(q[o:o + n], buf[layer, 0, :start + n], buf[layer, 1, :start + n],
+                                             start, scale))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+    return attend
+
+
+def _spans(rows: list[Row]) -> list[tuple[int, int, int]]:
+    out, offset = [], 0
+    for r in rows:
+        out.append((offset, r.length, r.start))
+        offset += r.length
+    return out

@@ -1,0 +1,113 @@
+"""Torch runner: CUDA (stream-ordered steps, event-guarded copies to pinned memory) or CPU (same calls, no overlap)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.models.loader import load_model
+from engine.runners import torch_attention
+from engine.runners.base import Row
+from engine.runners.torch_sampler import sample
+
+
+@dataclass(slots=True)
+class Step:
+    tokens: torch.Tensor              # [rows] int64 on the device; -1 where a row did not sample
+    host: torch.Tensor | None = None  # pinned copy (CUDA)
+    done: torch.cuda.Event | None = None
+
+
+class TorchRunner:
+    def __init__(self, model_dir: str | Path, dtype: str = "auto", device: str = "auto") -> None:
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.model = load_model(model_dir, dtype, device)
+        cfg = self.model.cfg
+        self.dtype = self.model.embed.weight.dtype
+        self.vocab_size = cfg.vocab_size
+        self.max_model_len = cfg.max_position_embeddings
+        self.eos_token_ids = list(cfg.eos_token_id)
+        self.kv_shape = (cfg.num_key_value_heads, cfg.head_dim)
+        self.layers = cfg.num_hidden_layers
+        self.bytes_per_token = 2 * self.layers * cfg.num_key_value_heads * cfg.head_dim * self.dtype.itemsize
+        self.scale = cfg.head_dim ** -0.5
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+        self.dense: dict[int, torch.Tensor] = {}
+        self.next_buf = 0
+        self.generators: dict[int, torch.Generator] = {}
+        self.default_generator = torch.Generator(self.device).manual_seed(0)
+        self.tokens_computed = 0
+
+    def init_paged(self, num_blocks: int, block_size: int) -> None:
+        shape = (self.layers, num_blocks, block_size, *self.kv_shape)
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def dense_alloc(self, capacity: int) -> int:
+        buf, self.next_buf = self.next_buf, self.next_buf + 1
+        self.dense[buf] = torch.zeros((self.layers, 2, capacity, *self.kv_shape), dtype=self.dtype, device=self.device)
+        return buf
+
+    def dense_resize(self, buf: int, capacity: int) -> None:
+        old = self.dense[buf]
+        new = torch.zeros((self.layers, 2, capacity, *self.kv_shape), dtype=self.dtype, device=self.device)
+        n = min(capacity, old.shape[2])
+        new[:, :, :n] = old[:, :, :n]
+        self.dense[buf] = new
+
+    def dense_free(self, buf: int) -> None:
+        del self.dense[buf]
+
+    def release(self, seq: int) -> None:
+        self.generators.pop(seq, None)
+
+    def generator_for(self, row: Row) -> torch.Generator:
+        if row.params is None or row.params.seed is None:
+            return self.default_generator
+        gen = self.generators.get(row.seq)
+        if gen is None:
+            gen = self.generators[row.seq] = torch.Generator(self.device).manual_seed(row.params.seed)
+        return gen
+
+    @torch.inference_mode()
+    def forward(self, rows: list[Row], prev: Step | None) -> Step:
+        ids, positions, chained, last = [], [], [], []
+        for r in rows:
+            if r.prev >= 0:
+                chained.append((len(ids), r.prev))
+            ids.extend(r.tokens or (0,))
+            positions.extend(range(r.start, r.start + r.length))
+            last.append(len(ids) - 1)
+        dev = self.device
+        ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
+        if chained:
+            dst, src = zip(*chained)
+            ids_t[list(dst)] = prev.tokens[list(src)]
+        if rows[0].buf >= 0:
+            attn = torch_attention.dense(self.dense, rows, self.scale)
+        else:
+            attn = torch_attention.paged(self.k_cache, self.v_cache, rows, self.scale, dev)
+        hidden = self.model(ids_t, torch.tensor(positions, dtype=torch.long, device=dev), attn)
+        self.tokens_computed += len(ids)
+        picked = [i for i, r in enumerate(rows) if r.sample]
+        tokens = torch.full((len(rows),), -1, dtype=torch.long, device=dev)
+        if picked:
+            logits = self.model.logits(hidden[[last[i] for i in picked]])
+            tokens[picked] = sample(logits, [rows[i] for i in picked], self.generator_for)
+        step = Step(tokens)
+        if dev.type == "cuda":
+            step.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            step.host.copy_(tokens, non_blocking=True)
+            step.done = torch.cuda.Event()
+            step.done.record()
+        return step
+
+    def fetch(self, step: Step) -> list[int]:
+        if step.done is not None:
+            step.done.synchronize()
+            return step.host.tolist()
+        return step.tokens.tolist()

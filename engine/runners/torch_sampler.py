@@ -1,0 +1,32 @@
+"""Sampling on the device: greedy, temperature, top-k, top-p, per-request seeded generators."""
+from __future__ import annotations
+
+import torch
+
+from engine.runners.base import Row
+from engine.sampling import SamplingParams
+
+
+def sample(logits: torch.Tensor, rows: list[Row], generator_for) -> torch.Tensor:
+    """logits [B, V] fp32 -> token ids [B] (int64), sampled without leaving the device."""
+    for i, row in enumerate(rows):
+        if row.ban:
+            logits[i, list(row.ban)] = float("-inf")
+    tokens = logits.argmax(-1)
+    for i, row in enumerate(rows):
+        if row.params is not None and not row.params.greedy:
+            tokens[i] = sample_one(logits[i], row.params, generator_for(row))
+    return tokens
+
+
+def sample_one(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+    logits = logits / p.temperature
+    if p.top_k > 0 and p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > p.top_p       # keep the smallest prefix whose mass reaches top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[0]

@@ -1,0 +1,116 @@
+"""SamplingParams: what a request asks of the sampler, validated with errors that name the field."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1                   # -1 or 0: disabled
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self) -> None:
+        _int("max_tokens", self.max_tokens, low=1)
+        _int("min_tokens", self.min_tokens, low=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens: must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        _num("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        _num("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        _int("top_k", self.top_k, low=-1)
+        if self.seed is not None:
+            _int("seed", self.seed, low=0)
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop: must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list):
+            raise ValueError(f"stop_token_ids: must be a list of integers, got {self.stop_token_ids!r}")
+        for t in self.stop_token_ids:
+            _int("stop_token_ids", t, low=0)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos: must be a boolean, got {self.ignore_eos!r}")
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "SamplingParams":
+        try:
+            data = json.loads(text) if text else {}
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"sampling_parameters: not valid JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"sampling_parameters: must be a JSON object, got {type(data).__name__}")
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":
+        """Accepts the string values Triton clients send ("16", "0.7", "true")."""
+        known = {f.name for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            if key not in known:
+                raise ValueError(f"{key}: unknown sampling parameter (known: {', '.join(sorted(known))})")
+            kwargs[key] = _coerce(key, value)
+        return cls(**kwargs)
+
+
+_INTS = {"max_tokens", "min_tokens", "top_k", "seed"}
+_FLOATS = {"temperature", "top_p"}
+
+
+def _coerce(key: str, value: Any) -> Any:
+    if value is None:
+        return None if key == "seed" else _fail(key, value, "a value")
+    if key in _INTS and isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            return _fail(key, value, "an integer")
+    if key in _FLOATS and isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            return _fail(key, value, "a number")
+    if key == "ignore_eos" and isinstance(value, str):
+        if value.strip().lower() in ("true", "1"):
+            return True
+        if value.strip().lower() in ("false", "0"):
+            return False
+        return _fail(key, value, "a boolean")
+    if key in _FLOATS and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _fail(key: str, value: Any, what: str) -> Any:
+    raise ValueError(f"{key}: expected {what}, got {value!r}")
+
+
+def _int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: expected an integer, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name}: must be >= {low}, got {value}")
+
+
+def _num(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ValueError(f"{name}: expected a number, got {value!r}")

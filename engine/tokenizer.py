@@ -1,0 +1,66 @@
+"""tokenizers-backed encode, incremental UTF-8-safe detokenize, and the checkpoint's chat template."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path) -> None:
+        model_dir = Path(model_dir)
+        self.tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        config_file = model_dir / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.exists() else {}
+        self.chat_template: str | None = config.get("chat_template")
+        self.vocab_size = self.tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("messages: this model's tokenizer_config.json has no chat_template")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message: str) -> None:
+            raise ValueError(f"messages: {message}")
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(self.chat_template).render(messages=messages,
+                                                           add_generation_prompt=add_generation_prompt)
+
+    def detokenizer(self) -> "Detokenizer":
+        return Detokenizer(self)
+
+
+class Detokenizer:
+    """Emits text only once its bytes form complete UTF-8 characters."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0   # start of the window decoded for context
+        self.read = 0     # end of the ids whose text was emitted
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix:self.read])
+        after = decode(self.ids[self.prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return after[len(before):]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is held back at the end of a sequence, replacement characters included."""
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix:self.read])
+        after = decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return after[len(before):]
