@@ -205,6 +205,7 @@ class Engine:
                 self._finish(self.scheduler.running[0], "error", "kv cache: the sequence outgrew the whole block pool")
             else:
                 self.scheduler.preempt()
+                self.metrics.preemptions.inc()
 
     def _decode_row(self, req: Request, prev: int) -> Row:
         p = req.num_allocated

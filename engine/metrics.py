@@ -21,6 +21,8 @@ class Metrics:
                                        "Decode ticks that launched a step while the previous was in flight",
                                        registry=r)
         self.unwinds = Counter("pagoda_lookahead_unwinds", "Speculative positions unwound", registry=r)
+        self.preemptions = Counter("pagoda_preemptions", "Requests sent back to the queue for recompute",
+                                   registry=r)
         self.kv_blocks = Gauge("pagoda_kv_blocks", "KV blocks (dense: buffers) by state", ["state"], registry=r)
         self.batch_size = Gauge("pagoda_batch_size", "Requests running", registry=r)
         self.queue_depth = Gauge("pagoda_queue_depth", "Requests waiting", registry=r)

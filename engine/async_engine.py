@@ -1,0 +1,93 @@
+"""AsyncEngine: the step loop on a background thread; `generate` is an async iterator of deltas."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from engine.config import EngineConfig
+from engine.engine import Delta, Engine
+from engine.request import Request
+from engine.sampling import SamplingParams
+from engine.scheduler import QueueFull
+
+log = logging.getLogger("pagoda")
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, engine: Engine | None = None) -> None:
+        self.engine = engine or Engine(config)
+        self.inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self.streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Delta]]] = {}
+        self.wake = threading.Event()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._loop, name="pagoda-engine", daemon=True)
+        self.thread.start()
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> AsyncIterator[Delta]:
+        """Stream deltas of one request; raises ValueError (naming the field) before the first delta on bad input.
+        Closing the iterator early cancels the request."""
+        if self.stopping:
+            raise RuntimeError("engine: shutting down")
+        req = self.engine.make_request(prompt, params)
+        deltas: asyncio.Queue[Delta] = asyncio.Queue()
+        self.streams[req.id] = (asyncio.get_running_loop(), deltas)
+        self.inbox.put(req)
+        self.wake.set()
+        finished = False
+        try:
+            while not finished:
+                delta = await deltas.get()
+                finished = delta.finished
+                yield delta
+        finally:
+            if not finished:
+                self.abort(req.id)
+            self.streams.pop(req.id, None)
+
+    def abort(self, request_id: int) -> None:
+        self.engine.abort(request_id)
+        self.wake.set()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop; requests still running end with an error delta."""
+        self.stopping = True
+        self.wake.set()
+        self.thread.join(timeout)
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self.stopping:
+            self._take_inbox()
+            if not engine.has_work:
+                self.wake.wait()
+                self.wake.clear()
+                continue
+            try:
+                deltas = engine.step()
+            except Exception as e:      # a failed step ends every request in flight; the engine serves on
+                log.exception("engine step failed")
+                deltas = engine.fail_all(f"engine: step failed: {e}")
+            self._deliver(deltas)
+        self._take_inbox()
+        self._deliver(engine.fail_all("engine: shut down"))
+
+    def _take_inbox(self) -> None:
+        while True:
+            try:
+                req = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self.engine.add(req)
+            except QueueFull as e:
+                self._deliver([Delta(req.id, [], "", True, "error", str(e), len(req.prompt_ids))])
+
+    def _deliver(self, deltas: list[Delta]) -> None:
+        for d in deltas:
+            target = self.streams.get(d.request_id)
+            if target is not None:
+                loop, q = target
+                loop.call_soon_threadsafe(q.put_nowait, d)

@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.models.presets import make_model
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> str:
+    return str(make_model("tiny", tmp_path_factory.mktemp("tiny"), seed=0))
+
+
+@pytest.fixture(scope="session")
+def odd_dir(tmp_path_factory) -> str:
+    """Odd head counts (7 query heads, 1 KV head) and tied embeddings."""
+    return str(make_model("tiny-odd", tmp_path_factory.mktemp("tiny-odd"), seed=1))
+
+
+@pytest.fixture(params=["tiny", "tiny-odd"])
+def model_dir(request, tiny_dir, odd_dir) -> str:
+    return tiny_dir if request.param == "tiny" else odd_dir
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("PAGODA_CACHE", str(tmp_path_factory.getbasetemp() / "pagoda-cache"))
+    monkeypatch.delenv("PAGODA_FORCE_SYNC", raising=False)
+
+
+def random_ids(n: int, seed: int, low: int = 3, high: int = 900) -> list[int]:
+    """Token ids from the trained tokenizer's range, skipping the special tokens at 0..2."""
+    rng = random.Random(seed)
+    return [rng.randrange(low, high) for _ in range(n)]
