@@ -42,14 +42,15 @@ class LLM:
             raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
         engine = self.engine
         reqs = [engine.make_request(p, sp) for p, sp in zip(prompts, params)]
+        mine = {r.id: r for r in reqs}
         pending = list(reqs)
         outputs: dict[int, RequestOutput] = {}
         while pending or engine.has_work:
             while pending and len(engine.scheduler.waiting) < engine.config.max_queue:
                 engine.add(pending.pop(0))
             for d in engine.step():
-                if d.finished:
-                    req = next(r for r in reqs if r.id == d.request_id)
+                if d.finished and d.request_id in mine:
+                    req = mine[d.request_id]
                     outputs[d.request_id] = RequestOutput(req.id, req.prompt_ids, req.output_ids, req.text,
                                                           req.finish_reason, len(req.prompt_ids), d.cached_tokens,
                                                           req.error)

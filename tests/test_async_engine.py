@@ -1,0 +1,98 @@
+"""The asyncio streaming engine every front end uses: streams, cancellation, failed steps."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from tests.conftest import random_ids
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def engine(tiny_dir):
+    eng = AsyncEngine(EngineConfig(model=tiny_dir, dtype="float32"))
+    yield eng
+    eng.shutdown()
+
+
+async def collect(eng: AsyncEngine, prompt, params):
+    return [d async for d in eng.generate(prompt, params)]
+
+
+def test_concurrent_streams_match_offline(engine, tiny_dir):
+    prompts = [random_ids(20 + 9 * i, seed=i) for i in range(5)]
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, p, greedy(12)) for p in prompts))
+    streams = asyncio.run(main())
+    offline = LLM(model=tiny_dir, dtype="float32").generate(prompts, greedy(12))
+    for deltas, out in zip(streams, offline):
+        assert sum((d.token_ids for d in deltas), []) == out.token_ids
+        assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+
+
+def test_closing_the_stream_cancels(engine):
+    async def main():
+        gen = engine.generate(random_ids(30, seed=1), greedy(200))
+        async for d in gen:
+            if len(d.token_ids) and d.num_output_tokens >= 3:
+                break
+        await gen.aclose()
+        for _ in range(200):
+            if engine.engine.metrics.value("pagoda_requests_total", status="cancelled") == 1:
+                break
+            await asyncio.sleep(0.01)
+    asyncio.run(main())
+    eng = engine.engine
+    assert eng.metrics.value("pagoda_requests_total", status="cancelled") == 1
+    assert eng.kv.stats()["used"] == 0
+
+
+def test_bad_input_raises_before_streaming(engine):
+    async def main():
+        with pytest.raises(ValueError, match="input_ids: token id 99999"):
+            await collect(engine, [1, 99999], greedy(3))
+        return await collect(engine, "fine", greedy(3))
+    assert asyncio.run(main())[-1].finished
+
+
+def test_failed_step_ends_requests_and_engine_recovers(engine, monkeypatch):
+    runner = engine.engine.runner
+    original = runner.forward
+    calls = {"n": 0}
+
+    def flaky(rows, prev):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom")
+        return original(rows, prev)
+    monkeypatch.setattr(runner, "forward", flaky)
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, random_ids(20, seed=i), greedy(20)) for i in range(2)))
+    failed = asyncio.run(main())
+    for deltas in failed:
+        assert deltas[-1].finished and deltas[-1].finish_reason == "error" and "boom" in deltas[-1].error
+    assert engine.engine.kv.stats()["used"] == 0
+    again = asyncio.run(collect(engine, random_ids(20, seed=0), greedy(5)))
+    assert again[-1].finish_reason == "length"
+
+
+def test_shutdown_ends_streams(tiny_dir):
+    eng = AsyncEngine(EngineConfig(model=tiny_dir, dtype="float32"))
+
+    async def main():
+        gen = eng.generate(random_ids(20, seed=1), greedy(3000))
+        first = await gen.__anext__()
+        eng.shutdown()
+        rest = [d async for d in gen]
+        return first, rest
+    first, rest = asyncio.run(main())
+    assert rest[-1].finished and rest[-1].finish_reason == "error" and "shut down" in rest[-1].error

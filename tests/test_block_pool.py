@@ -1,0 +1,66 @@
+"""Block pool and prompt-cache bookkeeping, plain Python."""
+from __future__ import annotations
+
+import pytest
+
+from engine.kv.block_pool import BlockPool
+from engine.prompt_cache import DenseStore, PrefixCache, block_hash
+
+
+def test_allocate_release_and_lru_eviction():
+    pool = BlockPool(4, block_size=2)
+    cache = PrefixCache(pool)
+    a, b, c, d = (pool.allocate() for _ in range(4))
+    assert not pool.can_allocate(1)
+    cache.register(a, block_hash(0, [1, 2]), [1, 2])
+    cache.register(b, block_hash(block_hash(0, [1, 2]), [3, 4]), [3, 4])
+    for blk in (b, a, c, d):
+        pool.release(blk)
+    assert (pool.num_free, pool.num_cached, pool.num_used) == (2, 2, 0)
+    assert cache.match([1, 2, 3, 4, 5]) == [a, b]
+    pool.allocate(), pool.allocate()              # the free list first
+    assert pool.num_cached == 2
+    pool.allocate()                               # then the least recently freed cached block: b
+    assert cache.match([1, 2, 3, 4]) == [a]
+    pool.adopt(a)
+    assert pool.ref[a] == 1 and pool.num_cached == 0
+    with pytest.raises(MemoryError):
+        pool.allocate()
+
+
+def test_shared_block_is_not_writable():
+    pool = BlockPool(2, block_size=4)
+    blk = pool.allocate()
+    pool.check_writable(blk)
+    pool.adopt(blk)
+    with pytest.raises(RuntimeError, match="ref count 2"):
+        pool.check_writable(blk)
+    pool.release(blk), pool.release(blk)
+    with pytest.raises(RuntimeError, match="released with ref count 0"):
+        pool.release(blk)
+
+
+def test_duplicate_content_registers_once():
+    pool = BlockPool(3, block_size=2)
+    cache = PrefixCache(pool)
+    a, b = pool.allocate(), pool.allocate()
+    h = block_hash(0, [7, 8])
+    cache.register(a, h, [7, 8])
+    cache.register(b, h, [7, 8])
+    assert cache.index == {h: a}
+    pool.release(b)
+    assert pool.num_free == 2          # b holds no cached content: straight back to the free list
+
+
+def test_dense_store_longest_prefix_and_byte_bound():
+    freed = []
+    store = DenseStore(max_bytes=100, free=freed.append)
+    store.donate(1, [1, 2, 3], 40)
+    store.donate(2, [1, 2, 9, 9], 40)
+    assert store.take([1, 2, 9, 5]) == (2, 3)
+    assert store.take([4]) is None
+    store.donate(3, [5], 40)
+    store.donate(4, [6], 40)                 # 120 > 100: buffer 1, least recently donated, is freed
+    assert freed == [1] and store.bytes == 80
+    store.donate(5, [7], 500)                # larger than the whole store: freed at once
+    assert freed == [1, 5]

@@ -1,0 +1,63 @@
+"""SamplingParams validation and the sampling ops."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.runners.base import Row
+from engine.runners.torch_sampler import sample, sample_one
+from tests.conftest import random_ids
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": "abc"}, "max_tokens"), ({"max_tokens": [3]}, "max_tokens"),
+    ({"temperature": -0.1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -2}, "top_k"), ({"seed": -1}, "seed"), ({"seed": 1.5}, "seed"),
+    ({"stop": 5}, "stop"), ({"stop": ["a", 3]}, "stop"), ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"ignore_eos": "maybe"}, "ignore_eos"),
+    ({"bogus": 1}, "bogus"),
+])
+def test_invalid_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        SamplingParams.from_dict(kwargs)
+
+
+def test_from_json_accepts_strings():
+    p = SamplingParams.from_json('{"max_tokens": "16", "temperature": "0", "top_k": "5", "ignore_eos": "true", '
+                                 '"stop": "END"}')
+    assert (p.max_tokens, p.temperature, p.top_k, p.ignore_eos, p.stop) == (16, 0.0, 5, True, ["END"])
+    assert p.greedy
+    with pytest.raises(ValueError, match="^sampling_parameters: not valid JSON"):
+        SamplingParams.from_json("{nope")
+    with pytest.raises(ValueError, match="^sampling_parameters: must be a JSON object"):
+        SamplingParams.from_json("[1, 2]")
+
+
+def test_top_k_and_top_p_restrict_support():
+    logits = torch.tensor([5.0, 4.0, 3.0, -10.0, -10.0])
+    gen = torch.Generator().manual_seed(0)
+    k2 = {int(sample_one(logits, SamplingParams(top_k=2), gen)) for _ in range(200)}
+    assert k2 == {0, 1}
+    # softmax mass: ~0.665, 0.245, 0.09: top_p 0.8 keeps the first two
+    p8 = {int(sample_one(logits, SamplingParams(top_p=0.8), gen)) for _ in range(300)}
+    assert p8 == {0, 1}
+
+
+def test_ban_masks_tokens():
+    logits = torch.tensor([[1.0, 9.0, 2.0]])
+    rows = [Row(0, 0, [1], params=SamplingParams(temperature=0), ban=(1,))]
+    assert sample(logits, rows, lambda r: None).tolist() == [2]
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batch(tiny_dir):
+    llm = LLM(model=tiny_dir, dtype="float32")
+    p = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=42, ignore_eos=True)
+    alone = llm.generate(random_ids(30, seed=1), p)[0].token_ids
+    batch = llm.generate([random_ids(30, seed=1), random_ids(25, seed=2)],
+                         [p, SamplingParams(max_tokens=20, temperature=1.0, seed=7)])[0].token_ids
+    sync = LLM(model=tiny_dir, dtype="float32", lookahead=False).generate(random_ids(30, seed=1), p)[0].token_ids
+    assert alone == batch == sync
+    other = llm.generate(random_ids(30, seed=1), SamplingParams(max_tokens=20, temperature=1.0, seed=43,
+                                                                ignore_eos=True))[0].token_ids
+    assert other != alone
