@@ -103,6 +103,7 @@ def cached_model(preset: str = "small", seed: int = 0) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=root / "models", prefix=f".{preset}-"))
     try:
         make_model(preset, tmp, seed)
+        tmp.chmod(0o755)
         tmp.rename(path)
     except OSError:
         if not (path / "model.safetensors").exists():
