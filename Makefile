@@ -6,24 +6,31 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup run test serve bench
 
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
+TRITON_ARGS ?=
+
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,triton]'
+	bash scripts/system_deps.sh $(PY)
 	touch $(STAMP)
 
 setup: $(STAMP)
 
-# Until the Triton model lands, the main job runs in process: one prompt, then the same prompt again (a cache hit).
+# tritonserver on the embedded default model; one prompt streamed cold, then again as a prompt-cache hit.
 run: setup
-	$(PY) -m engine generate --max-tokens 128 --repeat 2 \
-	  --prompt "$$(head -c 2000 engine/models/corpus.txt)"
+	$(PY) scripts/main_job.py
 
 test: setup
 	$(PY) -m pytest
 
-serve:
-	@echo "make serve: the Triton model repository is not built yet (see the open issues)"; exit 2
+# tritonserver in the foreground on model_repository/ (ports and extra flags overridable).
+serve: setup
+	$(PY) scripts/tritonserver.py --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
+	  --metrics-port $(METRICS_PORT) -- $(TRITON_ARGS)
 
 bench:
 	@echo "make bench: the hit vs miss benchmark is not built yet (see the open issues)"; exit 2

@@ -64,6 +64,17 @@ class EngineConfig:
             kwargs[name] = _parse(name, known[name].type, raw)
         return cls(**kwargs)
 
+    @classmethod
+    def from_sources(cls, values: dict[str, Any], env: dict[str, str] | None = None) -> "EngineConfig":
+        """`values` (config.pbtxt parameters), each overridden by PAGODA_<NAME> from the environment."""
+        env = os.environ if env is None else env
+        merged = dict(values)
+        for f in fields(cls):
+            key = f"PAGODA_{f.name.upper()}"
+            if key in env:
+                merged[f.name] = env[key]
+        return cls.from_strings(merged)
+
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
 

@@ -230,11 +230,9 @@ class Engine:
 
     def _append(self, req: Request, token: int) -> None:
         now = time.monotonic()
-        if req.output_ids:
-            self.metrics.tpot.observe(now - req.last_token_at)
-        else:
+        if not req.output_ids:
             req.first_token_at = now
-            self.metrics.ttft.observe(now - req.arrival)
+            self.metrics.observe("pagoda_time_to_first_token_seconds", now - req.arrival)
         req.last_token_at = now
         req.output_ids.append(token)
         self.metrics.generation_tokens.inc()
@@ -282,9 +280,12 @@ class Engine:
         self.requests.pop(req.id, None)
         now = time.monotonic()
         self.metrics.requests.labels(status=_STATUS[reason]).inc()
-        self.metrics.e2e.observe(now - req.arrival)
-        decode = (len(req.output_ids) - 1) / (req.last_token_at - req.first_token_at) \
-            if len(req.output_ids) > 1 and req.last_token_at > req.first_token_at else 0.0
+        self.metrics.observe("pagoda_e2e_request_latency_seconds", now - req.arrival)
+        decode = 0.0
+        if len(req.output_ids) > 1 and req.last_token_at > req.first_token_at:
+            per_token = (req.last_token_at - req.first_token_at) / (len(req.output_ids) - 1)
+            self.metrics.observe("pagoda_time_per_output_token_seconds", per_token)
+            decode = 1.0 / per_token
         ttft = (req.first_token_at - req.arrival) * 1000 if req.first_token_at else 0.0
         log.info("prompt-cache: request completed cached=%d/%d id=%d output=%d reason=%s ttft=%.1fms decode=%.1ftok/s",
                  max(req.num_cached, 0), len(req.prompt_ids), req.id, len(req.output_ids), reason, ttft, decode)

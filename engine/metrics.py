@@ -1,10 +1,17 @@
-"""One registry of counters, gauges and histograms with the names every front end exports."""
+"""One registry of counters, gauges and histograms with the names every front end exports.
+
+Front ends without access to this registry's HTTP exposition (Triton's Python backend) copy it with `Mirror`.
+"""
 from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-_PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 class Metrics:
@@ -26,11 +33,23 @@ class Metrics:
         self.kv_blocks = Gauge("pagoda_kv_blocks", "KV blocks (dense: buffers) by state", ["state"], registry=r)
         self.batch_size = Gauge("pagoda_batch_size", "Requests running", registry=r)
         self.queue_depth = Gauge("pagoda_queue_depth", "Requests waiting", registry=r)
-        self.ttft = Histogram("pagoda_time_to_first_token_seconds", "Time to first token",
-                              buckets=_LATENCY, registry=r)
-        self.tpot = Histogram("pagoda_time_per_output_token_seconds", "Time per output token after the first",
-                              buckets=_PER_TOKEN, registry=r)
-        self.e2e = Histogram("pagoda_e2e_request_latency_seconds", "Request latency", buckets=_LATENCY, registry=r)
+        self.buckets = {"pagoda_time_to_first_token_seconds": LATENCY,
+                        "pagoda_time_per_output_token_seconds": PER_TOKEN,
+                        "pagoda_e2e_request_latency_seconds": LATENCY}
+        self.histograms = {
+            "pagoda_time_to_first_token_seconds": Histogram(
+                "pagoda_time_to_first_token_seconds", "Time to first token", buckets=LATENCY, registry=r),
+            "pagoda_time_per_output_token_seconds": Histogram(
+                "pagoda_time_per_output_token_seconds", "Mean time per output token after the first, per request",
+                buckets=PER_TOKEN, registry=r),
+            "pagoda_e2e_request_latency_seconds": Histogram(
+                "pagoda_e2e_request_latency_seconds", "Request latency", buckets=LATENCY, registry=r),
+        }
+        self.observations: deque[tuple[str, float]] = deque(maxlen=100_000)   # for mirrors to replay
+
+    def observe(self, name: str, value: float) -> None:
+        self.histograms[name].observe(value)
+        self.observations.append((name, value))
 
     def value(self, name: str, **labels: str) -> float:
         """A sample's current value (counters by their exported `_total` name); 0 when absent."""
@@ -38,3 +57,43 @@ class Metrics:
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class Mirror:
+    """Copies the registry into another metrics API on each `sync()`: counters by increment, gauges by value,
+    histograms by replaying observations. `family(name, description, kind)` must return an object whose
+    `Metric(labels=..., buckets=...)` has increment/set/observe, the shape of Triton's pb_utils.MetricFamily."""
+
+    def __init__(self, metrics: Metrics, family: Callable[..., Any], kinds: dict[str, Any],
+                 labels: dict[str, str]) -> None:
+        self.metrics = metrics
+        self.labels = labels
+        self.families: dict[str, Any] = {}
+        self.series: dict[tuple[str, tuple], Any] = {}
+        self.last: dict[tuple[str, tuple], float] = {}
+        for fam in metrics.registry.collect():
+            name = fam.name + "_total" if fam.type == "counter" else fam.name
+            self.families[name] = family(name=name, description=fam.documentation, kind=kinds[fam.type])
+        metrics.observations.clear()
+
+    def _metric(self, name: str, labels: dict[str, str]) -> Any:
+        key = (name, tuple(sorted(labels.items())))
+        if key not in self.series:
+            extra = {"buckets": list(self.metrics.buckets[name])} if name in self.metrics.buckets else {}
+            self.series[key] = self.families[name].Metric(labels={**self.labels, **labels}, **extra)
+        return self.series[key]
+
+    def sync(self) -> None:
+        for fam in self.metrics.registry.collect():
+            for s in fam.samples:
+                if fam.type == "counter" and s.name.endswith("_total"):
+                    key = (s.name, tuple(sorted(s.labels.items())))
+                    delta = s.value - self.last.get(key, 0.0)
+                    if delta:
+                        self._metric(s.name, s.labels).increment(delta)
+                        self.last[key] = s.value
+                elif fam.type == "gauge":
+                    self._metric(s.name, s.labels).set(s.value)
+        while self.metrics.observations:
+            name, value = self.metrics.observations.popleft()
+            self._metric(name, {}).observe(value)

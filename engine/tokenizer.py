@@ -13,7 +13,7 @@ class Tokenizer:
         model_dir = Path(model_dir)
         self.tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
         config_file = model_dir / "tokenizer_config.json"
-        config = json.loads(config_file.read_text()) if config_file.exists() else {}
+        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.exists() else {}
         self.chat_template: str | None = config.get("chat_template")
         self.vocab_size = self.tok.get_vocab_size()
 

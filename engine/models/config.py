@@ -29,11 +29,11 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
-        data = json.loads((path / "config.json").read_text())
+        data = json.loads((path / "config.json").read_text(encoding="utf-8"))
         eos = data.get("eos_token_id")
         gen = path / "generation_config.json"
         if gen.exists():
-            eos = json.loads(gen.read_text()).get("eos_token_id", eos)
+            eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id", eos)
         names = cls.__slots__
         kwargs = {k: data[k] for k in names if k in data and k != "eos_token_id"}
         kwargs["eos_token_id"] = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))

@@ -29,7 +29,7 @@ def resolve_dtype(name: str, cfg: ModelConfig) -> torch.dtype:
 def shard_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         return [path / f for f in sorted(set(weight_map.values()))]
     files = sorted(path.glob("*.safetensors"))
     if not files:

@@ -41,7 +41,7 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=min(vocab_size, 4096), special_tokens=SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    corpus = (Path(__file__).parent / "corpus.txt").read_text().splitlines()
+    corpus = (Path(__file__).parent / "corpus.txt").read_text(encoding="utf-8").splitlines()
     tok.train_from_iterator(corpus, trainer=trainer)
     return tok
 
@@ -72,6 +72,10 @@ def random_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str,
     return w
 
 
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2), encoding="utf-8")
+
+
 def make_model(preset: str, out: str | Path, seed: int = 0) -> Path:
     if preset not in PRESETS:
         raise ValueError(f"preset: must be one of {', '.join(PRESETS)}, got {preset!r}")
@@ -81,13 +85,13 @@ def make_model(preset: str, out: str | Path, seed: int = 0) -> Path:
     ids = {s: tok.token_to_id(s) for s in SPECIALS}
     cfg = ModelConfig(**PRESETS[preset], eos_token_id=[ids["<|endoftext|>"]])
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
+    _write_json(out / "tokenizer_config.json", {
         "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
         "bos_token": None, "model_max_length": cfg.max_position_embeddings, "chat_template": CHAT_TEMPLATE,
-    }, indent=2))
-    (out / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
-    (out / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]], "pad_token_id": ids["<|endoftext|>"]}, indent=2))
+    })
+    _write_json(out / "config.json", cfg.to_hf())
+    _write_json(out / "generation_config.json",
+                {"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]], "pad_token_id": ids["<|endoftext|>"]})
     dtype = getattr(torch, cfg.torch_dtype)
     save_file(random_weights(cfg, seed, dtype), str(out / "model.safetensors"), metadata={"format": "pt"})
     return out

@@ -1,0 +1,105 @@
+"""Triton tensors <-> engine requests, free of Triton itself: names and types follow Triton's vLLM backend."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.sampling import SamplingParams
+
+EXTRAS = {"return_finish_reason": "finish_reason", "return_num_input_tokens": "num_input_tokens",
+          "return_num_output_tokens": "num_output_tokens", "return_cached_tokens": "cached_tokens"}
+
+INPUTS = [  # name, data_type, dims, optional
+    ("text_input", "TYPE_STRING", [1], True), ("input_ids", "TYPE_INT32", [-1], True),
+    ("stream", "TYPE_BOOL", [1], True), ("sampling_parameters", "TYPE_STRING", [1], True),
+    ("exclude_input_in_output", "TYPE_BOOL", [1], True),
+    *[(name, "TYPE_BOOL", [1], True) for name in EXTRAS],
+]
+OUTPUTS = [
+    ("text_output", "TYPE_STRING", [-1]), ("output_ids", "TYPE_INT32", [-1]), ("finish_reason", "TYPE_STRING", [1]),
+    ("num_input_tokens", "TYPE_UINT32", [1]), ("num_output_tokens", "TYPE_UINT32", [1]),
+    ("cached_tokens", "TYPE_UINT32", [1]),
+]
+
+
+@dataclass(slots=True)
+class TritonRequest:
+    prompt: str | list[int]
+    params: SamplingParams
+    stream: bool = False
+    prepend_input: bool = False
+    extras: list[str] = field(default_factory=list)    # output names asked for with return_* flags
+
+
+def _flag(inputs: dict[str, np.ndarray], name: str) -> bool | None:
+    arr = inputs.get(name)
+    if arr is None:
+        return None
+    flat = np.asarray(arr).reshape(-1)
+    if flat.size != 1:
+        raise ValueError(f"{name}: expected one boolean, got {flat.size} values")
+    return bool(flat[0])
+
+
+def _string(inputs: dict[str, np.ndarray], name: str) -> str | None:
+    arr = inputs.get(name)
+    if arr is None:
+        return None
+    flat = np.asarray(arr).reshape(-1)
+    if flat.size != 1:
+        raise ValueError(f"{name}: expected one string, got {flat.size} values")
+    value = flat[0]
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{name}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    return str(value)
+
+
+def parse(inputs: dict[str, np.ndarray]) -> TritonRequest:
+    """Validate a request's input tensors; raises ValueError naming the field."""
+    text = _string(inputs, "text_input")
+    ids = inputs.get("input_ids")
+    if (text is None) == (ids is None):
+        raise ValueError("text_input: give exactly one of text_input and input_ids")
+    if ids is not None:
+        ids = np.asarray(ids)
+        if ids.dtype != np.int32:
+            raise ValueError(f"input_ids: expected INT32, got {ids.dtype}")
+        if ids.ndim != 1:
+            raise ValueError(f"input_ids: expected rank 1, got shape {list(ids.shape)}")
+        prompt: str | list[int] = ids.tolist()
+    else:
+        prompt = text
+    raw = _string(inputs, "sampling_parameters")
+    params = SamplingParams.from_json(raw) if raw else SamplingParams()
+    stream = bool(_flag(inputs, "stream"))
+    exclude = _flag(inputs, "exclude_input_in_output")
+    if stream and exclude is False:
+        raise ValueError("exclude_input_in_output: false is not allowed when streaming")
+    prepend = exclude is False or (exclude is None and not stream and text is not None)
+    extras = [out for flag, out in EXTRAS.items() if _flag(inputs, flag)]
+    return TritonRequest(prompt, params, stream, prepend and text is not None, extras)
+
+
+def outputs(text: str, ids: list[int], extras: list[str], finish_reason: str | None, num_input: int,
+            num_output: int, cached: int) -> dict[str, np.ndarray]:
+    """Output tensors of one response. The return_* extras ride on every response: finish_reason is empty
+    until the last one, num_output_tokens counts the tokens so far."""
+    out = {"text_output": np.array([text.encode("utf-8")], dtype=np.object_),
+           "output_ids": np.array(ids, dtype=np.int32)}
+    values = {"finish_reason": lambda: np.array([(finish_reason or "").encode()], dtype=np.object_),
+              "num_input_tokens": lambda: np.array([num_input], dtype=np.uint32),
+              "num_output_tokens": lambda: np.array([num_output], dtype=np.uint32),
+              "cached_tokens": lambda: np.array([cached], dtype=np.uint32)}
+    out.update({name: values[name]() for name in extras})
+    return out
+
+
+def config_io() -> tuple[list[dict], list[dict]]:
+    """Inputs and outputs for auto_complete_config."""
+    ins = [{"name": n, "data_type": t, "dims": d, "optional": o} for n, t, d, o in INPUTS]
+    outs = [{"name": n, "data_type": t, "dims": d} for n, t, d in OUTPUTS]
+    return ins, outs

@@ -1,0 +1,196 @@
+"""Integration: the decoupled model in a real tritonserver, over gRPC streaming, HTTP and perf_analyzer."""
+from __future__ import annotations
+
+import json
+import queue
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from client.stream import stream_grpc, stream_http
+from engine import LLM, SamplingParams
+from scripts import tritonserver as triton_server
+from tests.conftest import random_ids
+
+PROMPT = ("A serving engine reads a prompt, turns it into tokens, and computes the keys and values of every token "
+          "once. Those keys and values are kept in a cache, so that each new token only attends to what was already "
+          "computed.")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("triton") / "server.log"
+    srv = triton_server.launch({"PAGODA_MODEL": tiny_dir, "PAGODA_DTYPE": "float32"}, log)
+    yield srv
+    started = time.monotonic()
+    srv.stop(timeout=60)                          # finalize must not hang the shutdown
+    assert time.monotonic() - started < 60
+
+
+def grpc_inputs(prompt, params: dict, stream: bool = True, **flags):
+    inputs = []
+
+    def add(name, value, dtype):
+        t = grpcclient.InferInput(name, list(value.shape), dtype)
+        t.set_data_from_numpy(value)
+        inputs.append(t)
+    if isinstance(prompt, str):
+        add("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES")
+    else:
+        add("input_ids", np.array(prompt, dtype=np.int32), "INT32")
+    add("stream", np.array([stream]), "BOOL")
+    add("sampling_parameters", np.array([json.dumps(params).encode()], dtype=np.object_), "BYTES")
+    for name, value in flags.items():
+        add(name, np.array([value]), "BOOL")
+    return inputs
+
+
+def collect(server, inputs, cancel_after: int | None = None, timeout: float = 60):
+    """(responses as dicts with a 'final' flag, error) of one streamed request."""
+    events: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: events.put((result, error)))
+    client.async_stream_infer("llm", inputs, enable_empty_final_response=True)
+    responses, error = [], None
+    try:
+        while True:
+            result, err = events.get(timeout=timeout)
+            if err is not None:
+                error = err
+                break
+            resp = result.get_response()
+            fields = {o.name: result.as_numpy(o.name) for o in resp.outputs}
+            fields["final"] = resp.parameters["triton_final_response"].bool_param
+            responses.append(fields)
+            if fields["final"]:
+                break
+            if cancel_after is not None and len(responses) >= cancel_after:
+                client.stop_stream(cancel_requests=True)
+                break
+    finally:
+        client.stop_stream()
+        client.close()
+    return responses, error
+
+
+def test_stream_matches_offline_and_reports_extras(server, tiny_dir):
+    params = {"max_tokens": "16", "temperature": 0}
+    flags = dict(return_num_input_tokens=True, return_num_output_tokens=True, return_finish_reason=True,
+                 return_cached_tokens=True)
+    responses, error = collect(server, grpc_inputs(PROMPT, params, **flags))
+    assert error is None
+    expected = LLM(model=tiny_dir, dtype="float32").generate(PROMPT, SamplingParams(max_tokens=16, temperature=0))[0]
+    assert len(responses) == 16
+    assert [r["final"] for r in responses] == [False] * 15 + [True]
+    assert "".join(r["text_output"][0].decode() for r in responses) == expected.text
+    assert [int(i) for r in responses for i in r["output_ids"]] == expected.token_ids
+    last = responses[-1]
+    assert last["finish_reason"][0].decode() == "length"
+    assert int(last["num_input_tokens"][0]) == expected.num_prompt_tokens
+    assert int(last["num_output_tokens"][0]) == 16
+    assert int(last["cached_tokens"][0]) == 0
+
+    again, _ = collect(server, grpc_inputs(PROMPT, params, **flags))
+    assert int(again[-1]["cached_tokens"][0]) > 0
+    time.sleep(1.0)                                # the metrics mirror syncs every 0.5 s
+    assert server.value("pagoda_prompt_cache_hits_total", model="llm", version="1") >= 1
+    assert server.value("pagoda_decode_lookahead_steps_total") > 0
+    assert server.value("pagoda_kv_blocks", state="free") > 0
+    assert server.value("pagoda_kv_blocks", state="cached") > 0
+    assert server.value("pagoda_time_to_first_token_seconds_count") >= 2
+
+
+def test_token_ids_input(server, tiny_dir):
+    ids = random_ids(40, seed=3)
+    responses, error = collect(server, grpc_inputs(ids, {"max_tokens": 5, "temperature": 0}))
+    assert error is None
+    expected = LLM(model=tiny_dir, dtype="float32").generate(ids, SamplingParams(max_tokens=5, temperature=0))[0]
+    assert [int(i) for r in responses for i in r["output_ids"]] == expected.token_ids
+
+
+def http(server, path: str, body: dict) -> tuple[int, bytes]:
+    req = urllib.request.Request(f"http://{server.http_url}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_http_generate_and_sse(server, tiny_dir):
+    expected = LLM(model=tiny_dir, dtype="float32").generate(PROMPT, SamplingParams(max_tokens=8, temperature=0))[0]
+    status, body = http(server, "/v2/models/llm/generate",
+                        {"text_input": PROMPT, "sampling_parameters": json.dumps({"max_tokens": 8, "temperature": 0}),
+                         "exclude_input_in_output": True, "return_finish_reason": True})
+    assert status == 200
+    out = json.loads(body)
+    assert out["text_output"] == expected.text and out["output_ids"] == expected.token_ids
+    assert out["finish_reason"] == "length"
+    status, body = http(server, "/v2/models/llm/generate",
+                        {"text_input": PROMPT, "sampling_parameters": json.dumps({"max_tokens": 8, "temperature": 0})})
+    assert json.loads(body)["text_output"] == PROMPT + expected.text     # vLLM backend default: input prepended
+    status, body = http(server, "/v2/models/llm/generate_stream",
+                        {"text_input": PROMPT, "stream": True,
+                         "sampling_parameters": json.dumps({"max_tokens": 8, "temperature": 0})})
+    events = [json.loads(line[5:]) for line in body.splitlines() if line.startswith(b"data:")]
+    assert len(events) == 8 and "".join(e["text_output"] for e in events) == expected.text
+    result = stream_http(server.http_url, "llm", PROMPT, {"max_tokens": 8, "temperature": 0})
+    assert result.ids == expected.token_ids and result.finish_reason == "length"
+
+
+def test_bad_input_is_an_error_naming_the_field(server):
+    responses, error = collect(server, grpc_inputs(PROMPT, {"max_tokens": -1}))
+    assert error is not None and "max_tokens" in str(error)
+    status, body = http(server, "/v2/models/llm/generate",
+                        {"text_input": PROMPT, "sampling_parameters": json.dumps({"temperature": -1})})
+    assert status == 400 and "temperature" in json.loads(body)["error"]
+    responses, error = collect(server, grpc_inputs(PROMPT, {"max_tokens": 3}))
+    assert error is None and responses[-1]["final"]
+
+
+def test_cancel_mid_stream_frees_blocks(server):
+    baseline = server.value("pagoda_kv_blocks", state="used")
+    cancelled = server.value("pagoda_requests_total", status="cancelled")
+    responses, error = collect(server, grpc_inputs(random_ids(100, seed=9), {"max_tokens": 3000, "ignore_eos": True}),
+                               cancel_after=5)
+    assert len(responses) == 5 and error is None
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if server.value("pagoda_requests_total", status="cancelled") == cancelled + 1 and \
+                server.value("pagoda_kv_blocks", state="used") == baseline:
+            break
+        time.sleep(0.2)
+    assert server.value("pagoda_requests_total", status="cancelled") == cancelled + 1
+    assert server.value("pagoda_kv_blocks", state="used") == baseline
+    responses, error = collect(server, grpc_inputs(PROMPT, {"max_tokens": 4}))
+    assert error is None and len(responses) == 4
+
+
+def test_stream_client(server):
+    r = stream_grpc(server.grpc_url, "llm", PROMPT, {"max_tokens": 6, "temperature": 0})
+    assert r.error is None and len(r.ids) == 6 and len(r.token_times) == 6 and r.ttft > 0
+    cli = subprocess.run([sys.executable, "client/stream.py", "--prompt", PROMPT, "--max-tokens", "6",
+                          "--url", server.grpc_url], capture_output=True, text=True, cwd=triton_server.ROOT)
+    assert cli.returncode == 0 and "decode=" in cli.stdout and "finish_reason=length" in cli.stdout
+
+
+def test_perf_analyzer_runs(server, tmp_path):
+    data = {"data": [{"text_input": [PROMPT], "stream": [True], "exclude_input_in_output": [True],
+                      "sampling_parameters": [json.dumps({"max_tokens": 8, "temperature": 0})]}]}
+    (tmp_path / "input.json").write_text(json.dumps(data))
+    export = tmp_path / "export.json"
+    run = subprocess.run([sys.executable, "scripts/perf_analyzer.py", "-m", "llm", "-u", server.grpc_url, "-i", "grpc",
+                          "--streaming", "--input-data", str(tmp_path / "input.json"), "--measurement-mode",
+                          "count_windows", "--measurement-request-count", "5", "--concurrency-range", "1",
+                          "--profile-export-file", str(export)],
+                         capture_output=True, text=True, cwd=triton_server.ROOT, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    requests = json.loads(export.read_text())["experiments"][0]["requests"]
+    assert requests and all(len(r["response_timestamps"]) == 8 for r in requests)

@@ -1,0 +1,95 @@
+"""Triton tensor parsing and the metrics mirror, without a server."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine import triton_io
+from engine.metrics import Metrics, Mirror
+
+
+def s(text: str | bytes) -> np.ndarray:
+    return np.array([text if isinstance(text, bytes) else text.encode()], dtype=np.object_)
+
+
+def b(value: bool) -> np.ndarray:
+    return np.array([value])
+
+
+def test_parse_text_and_defaults():
+    r = triton_io.parse({"text_input": s("hi"), "sampling_parameters": s('{"max_tokens": "7", "temperature": "0"}')})
+    assert (r.prompt, r.params.max_tokens, r.params.temperature, r.stream) == ("hi", 7, 0.0, False)
+    assert r.prepend_input                       # vLLM backend default for non-streaming text requests
+    r = triton_io.parse({"text_input": s("hi"), "stream": b(True), "return_cached_tokens": b(True),
+                         "return_finish_reason": b(False)})
+    assert r.stream and not r.prepend_input and r.extras == ["cached_tokens"]
+    r = triton_io.parse({"input_ids": np.array([1, 2, 3], dtype=np.int32)})
+    assert r.prompt == [1, 2, 3] and not r.prepend_input
+
+
+@pytest.mark.parametrize("inputs,message", [
+    ({}, "text_input: give exactly one of text_input and input_ids"),
+    ({"text_input": s("a"), "input_ids": np.array([1], dtype=np.int32)}, "text_input: give exactly one"),
+    ({"text_input": s(b"\xff\xfe")}, "text_input: not valid UTF-8"),
+    ({"text_input": np.array([b"a", b"b"], dtype=np.object_)}, "text_input: expected one string"),
+    ({"input_ids": np.array([1], dtype=np.int64)}, "input_ids: expected INT32"),
+    ({"input_ids": np.array([[1]], dtype=np.int32)}, "input_ids: expected rank 1"),
+    ({"text_input": s("a"), "sampling_parameters": s("{bad")}, "sampling_parameters: not valid JSON"),
+    ({"text_input": s("a"), "sampling_parameters": s('{"top_p": 2}')}, "top_p: must be in"),
+    ({"text_input": s("a"), "stream": b(True), "exclude_input_in_output": b(False)}, "exclude_input_in_output"),
+])
+def test_parse_errors_name_the_field(inputs, message):
+    with pytest.raises(ValueError, match=message):
+        triton_io.parse(inputs)
+
+
+def test_outputs():
+    out = triton_io.outputs("hé", [5, 6], ["finish_reason", "cached_tokens"], "stop", 10, 2, 8)
+    assert out["text_output"][0].decode() == "hé" and out["output_ids"].dtype == np.int32
+    assert out["finish_reason"][0] == b"stop" and out["cached_tokens"].tolist() == [8]
+    assert "num_input_tokens" not in out
+
+
+class FakeMetric:
+    def __init__(self, labels, buckets=None):
+        self.labels, self.buckets, self.value, self.observed = labels, buckets, 0.0, []
+
+    def increment(self, v):
+        self.value += v
+
+    def set(self, v):
+        self.value = v
+
+    def observe(self, v):
+        self.observed.append(v)
+
+
+class FakeFamily:
+    families: dict = {}
+
+    def __init__(self, name, description, kind):
+        self.name, self.kind, self.metrics = name, kind, []
+        FakeFamily.families[name] = self
+
+    def Metric(self, labels, buckets=None):
+        m = FakeMetric(labels, buckets)
+        self.metrics.append(m)
+        return m
+
+
+def test_mirror_copies_counters_gauges_and_histograms():
+    m = Metrics()
+    mirror = Mirror(m, FakeFamily, {"counter": "C", "gauge": "G", "histogram": "H"}, {"model": "llm"})
+    fam = FakeFamily.families
+    assert fam["pagoda_requests_total"].kind == "C" and fam["pagoda_kv_blocks"].kind == "G"
+    m.requests.labels(status="completed").inc(3)
+    m.kv_blocks.labels(state="free").set(7)
+    m.observe("pagoda_time_to_first_token_seconds", 0.2)
+    mirror.sync()
+    m.requests.labels(status="completed").inc()
+    mirror.sync()
+    req = fam["pagoda_requests_total"].metrics[0]
+    assert req.value == 4 and req.labels == {"model": "llm", "status": "completed"}
+    assert fam["pagoda_kv_blocks"].metrics[0].value == 7
+    ttft = fam["pagoda_time_to_first_token_seconds"].metrics[0]
+    assert ttft.observed == [0.2] and ttft.buckets[0] == 0.005
