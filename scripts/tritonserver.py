@@ -131,11 +131,12 @@ class Server:
         return self.proc.wait(timeout)
 
 
-def launch(env: dict[str, str], log: Path, ready_timeout: float = 300) -> Server:
+def launch(env: dict[str, str], log: Path, ready_timeout: float = 300,
+           repository: Path = ROOT / "model_repository") -> Server:
     """Start tritonserver in the background on free loopback ports; returns once the model is ready."""
     ports = free_port(), free_port(), free_port()
-    cmd = [sys.executable, str(Path(__file__).resolve()), f"--http-port={ports[0]}",
-           f"--grpc-port={ports[1]}", f"--metrics-port={ports[2]}"]
+    cmd = [sys.executable, str(Path(__file__).resolve()), f"--http-port={ports[0]}", f"--grpc-port={ports[1]}",
+           f"--metrics-port={ports[2]}", f"--model-repository={repository}"]
     out = open(log, "w")
     proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT)
     server = Server(proc, *ports, log)
