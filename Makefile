@@ -14,7 +14,7 @@ TRITON_ARGS ?=
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,triton]'
+	$(PY) -m pip install -q -e '.[test,triton,bench]'
 	bash scripts/system_deps.sh $(PY)
 	touch $(STAMP)
 
@@ -32,5 +32,9 @@ serve: setup
 	$(PY) scripts/tritonserver.py --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
 	  --metrics-port $(METRICS_PORT) -- $(TRITON_ARGS)
 
-bench:
-	@echo "make bench: the hit vs miss benchmark is not built yet (see the open issues)"; exit 2
+# Full length: 512-token prompts, 512 new tokens, 7 pairs, concurrency 1,2,4; then the same on qwen2.5-0.5b.
+bench: setup
+	$(PY) scripts/main_job.py --prompt-tokens 512 --max-tokens 512 --pairs 7 --concurrency 1,2,4 \
+	  --perf-requests 8 --out perf/results/full-small
+	$(PY) scripts/main_job.py --preset qwen2.5-0.5b --dtype float32 --prompt-tokens 512 --max-tokens 512 \
+	  --pairs 7 --concurrency 1,2,4 --perf-requests 8 --out perf/results/full-qwen2.5-0.5b

@@ -122,6 +122,42 @@ def stream_http(url: str, model: str, prompt: str, params: dict,
     return result
 
 
+def stream_openai(url: str, model: str, prompt: str | list[int], params: dict,
+                  on_text: Callable[[str], None] | None = None, timeout: float = 600.0) -> Result:
+    """POST /v1/completions with stream=true (SSE); token ids come from the engine's `token_ids` extension
+    when present, else one token per chunk."""
+    body = {"model": model, "prompt": prompt, "stream": True, "stream_options": {"include_usage": True},
+            "max_tokens": params.get("max_tokens", 16), "temperature": params.get("temperature", 1.0),
+            **{k: v for k, v in params.items() if k not in ("max_tokens", "temperature")}}
+    req = urllib.request.Request(f"http://{url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    result = Result(start=time.perf_counter())
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        for line in resp:
+            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                continue
+            now = time.perf_counter()
+            event = json.loads(line[5:])
+            if "error" in event:
+                result.error = str(event["error"])
+                break
+            for choice in event.get("choices", []):
+                ids = choice.get("token_ids") or ([] if not choice.get("text") else [-1])
+                result.ids += ids
+                result.token_times += [now] * len(ids)
+                result.text += choice.get("text", "")
+                if on_text and choice.get("text"):
+                    on_text(choice["text"])
+                if choice.get("finish_reason"):
+                    result.finish_reason = choice["finish_reason"]
+            usage = event.get("usage")
+            if usage:
+                result.num_input_tokens = usage.get("prompt_tokens", 0)
+                details = usage.get("prompt_tokens_details") or {}
+                result.cached_tokens = details.get("cached_tokens", 0)
+    return result
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt", required=True)

@@ -23,13 +23,15 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookahead", type=_bool, default=d.lookahead)
     p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk)
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--num-threads", type=int, default=d.num_threads)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, runner=args.runner, device=args.device, dtype=args.dtype,
                         max_batch_size=args.max_batch_size, kv_storage=args.kv_storage, block_size=args.block_size,
                         num_kv_blocks=args.num_kv_blocks, prompt_cache=args.prompt_cache, lookahead=args.lookahead,
-                        prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len)
+                        prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
+                        num_threads=args.num_threads)
 
 
 def _bool(text: str) -> bool:

@@ -25,6 +25,7 @@ class EngineConfig:
     max_queue: int = 256
     max_model_len: int = 0            # 0: the checkpoint's max_position_embeddings
     seed: int = 0                     # seed of the embedded default model
+    num_threads: int = 0              # CPU threads for the model's ops; 0: the framework's default
 
     def __post_init__(self) -> None:
         self.validate()
@@ -39,7 +40,7 @@ class EngineConfig:
         for name in ("max_batch_size", "block_size", "prefill_chunk", "max_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("num_kv_blocks", "max_model_len", "kv_cache_bytes", "prompt_cache_bytes"):
+        for name in ("num_kv_blocks", "max_model_len", "kv_cache_bytes", "prompt_cache_bytes", "num_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
 

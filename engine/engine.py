@@ -40,7 +40,7 @@ class Delta:
 def make_runner(config: EngineConfig, model_dir: str) -> ModelRunner:
     if config.runner == "torch":
         from engine.runners.torch_runner import TorchRunner
-        return TorchRunner(model_dir, config.dtype, config.device)
+        return TorchRunner(model_dir, config.dtype, config.device, config.num_threads)
     raise ValueError(f"runner: {config.runner!r} is not available in this build")
 
 

@@ -1,41 +1,99 @@
-"""The main job (`make run`): tritonserver on the embedded default model, one prompt streamed cold, then again
-as a prompt-cache hit, with TTFT, decode tok/s and cached tokens for each; the server is stopped at the end."""
+"""The main job (`make run`; `make bench` at full length): for paged storage (max_batch_size 4) and dense storage
+(max_batch_size 1), start tritonserver, stream one request with client/stream.py, run the alternate hit/miss
+benchmark and the perf_analyzer comparison, stop the server; then print one summary table. JSON and plots go
+under --out (perf/results/ by default)."""
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from client.stream import stream_grpc            # noqa: E402
-from scripts.tritonserver import launch          # noqa: E402
+from client import bench_serving_concurrency as bench     # noqa: E402
+from perf import perf_hit_miss                             # noqa: E402
+from scripts.tritonserver import launch                    # noqa: E402
+
+STORAGES = {"paged": {"PAGODA_KV_STORAGE": "paged", "PAGODA_MAX_BATCH_SIZE": "4"},
+            "dense": {"PAGODA_KV_STORAGE": "dense", "PAGODA_MAX_BATCH_SIZE": "1"}}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--prompt-chars", type=int, default=2000)
-    args = ap.parse_args()
-    prompt = (ROOT / "engine/models/corpus.txt").read_text(encoding="utf-8")[:args.prompt_chars]
-    log = Path(tempfile.mkdtemp(prefix="pagoda-triton-")) / "tritonserver.log"
+def one_storage(name: str, args: argparse.Namespace, out: Path) -> dict:
+    env = {**STORAGES[name], "PAGODA_NUM_THREADS": str(args.num_threads), "PAGODA_DTYPE": args.dtype}
+    if args.preset:
+        from engine.models.presets import cached_model
+        args.model = str(cached_model(args.preset))
+    if args.model:
+        env["PAGODA_MODEL"] = args.model
     started = time.monotonic()
-    server = launch({}, log)
-    print(f"tritonserver ready in {time.monotonic() - started:.1f}s (grpc {server.grpc_url}, log {log})")
+    server = launch(env, out / f"tritonserver_{name}.log")
+    print(f"\n== {name}: tritonserver ready in {time.monotonic() - started:.1f}s (grpc {server.grpc_url})", flush=True)
     try:
-        params = {"max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
-        for label in ("miss", "hit"):
-            r = stream_grpc(server.grpc_url, "llm", prompt, params)
-            if r.error:
-                print(f"{label}: error: {r.error}", file=sys.stderr)
-                return 1
-            print(f"{label:4}  ttft={r.ttft * 1000:7.1f}ms  decode={r.decode_rate:7.1f} tok/s  "
-                  f"tokens={len(r.ids)}  cached={r.cached_tokens}/{r.num_input_tokens}  finish={r.finish_reason}")
+        prompt = (ROOT / "engine/models/corpus.txt").read_text(encoding="utf-8")[:600]
+        subprocess.run([sys.executable, str(ROOT / "client/stream.py"), "--url", server.grpc_url, "--prompt", prompt,
+                        "--max-tokens", "32"], check=True)
+        concurrency = args.concurrency if name == "paged" else "1"
+        report = bench.main(["--url", server.grpc_url, "--metrics-url", f"http://127.0.0.1:{server.metrics}/metrics",
+                             "--concurrency", concurrency, "--prompt-tokens", str(args.prompt_tokens),
+                             "--max-tokens", str(args.max_tokens), "--pairs", str(args.pairs), "--mode", "alternate",
+                             "--json", str(out / f"bench_{name}.json"), "--plot", str(out / f"bench_{name}.png"),
+                             "--title", f"{name}: alternate hit/miss through Triton gRPC streaming"])
+        print(f"-- {name}: perf_analyzer, {args.perf_requests} requests each")
+        pa = perf_hit_miss.main(["--url", server.grpc_url, "--prompt-tokens", str(args.prompt_tokens),
+                                 "--max-tokens", str(args.max_tokens), "--requests", str(args.perf_requests),
+                                 "--out", str(out / f"pa_{name}")])
     finally:
         server.stop()
+    return {"bench": report["summary"], "perf_analyzer": {k: v for k, v in pa.items() if k not in ("miss", "hit")}}
+
+
+def summary_table(results: dict) -> str:
+    lines = [f"{'storage':8} {'source':14} {'TTFT miss ms':>12} {'TTFT hit ms':>11} {'TTFT h/m':>8} "
+             f"{'decode miss tok/s':>22} {'decode hit tok/s':>22} {'h/m':>6} {'paired':>6} {'cached':>9} {'la/req':>6}"]
+    for name, r in results.items():
+        row = r["bench"][1]
+        m, h = row["miss"], row["hit"]
+        lines.append(f"{name:8} {'bench c=1':14} {m['ttft_ms'][0]:12.1f} {h['ttft_ms'][0]:11.1f} {row['ttft_ratio']:8.3f} "
+                     f"{m['decode_tok_s'][0]:7.1f} ({m['decode_tok_s'][1]:5.1f}-{m['decode_tok_s'][2]:5.1f}) "
+                     f"{h['decode_tok_s'][0]:7.1f} ({h['decode_tok_s'][1]:5.1f}-{h['decode_tok_s'][2]:5.1f}) "
+                     f"{row['decode_ratio']:6.3f} {row['paired_decode_ratio']:6.3f} "
+                     f"{int(h['cached']):>4}/{int(h['prompt_tokens']):<4} {h['lookahead_steps']:6.0f}")
+        pa = r["perf_analyzer"]
+        lines.append(f"{name:8} {'perf_analyzer':14} {pa['miss_ttft_ms'][0]:12.1f} {pa['hit_ttft_ms'][0]:11.1f} "
+                     f"{pa['ttft_ratio']:8.3f} {pa['miss_decode_tok_s'][0]:7.1f} ({pa['miss_decode_tok_s'][1]:5.1f}-"
+                     f"{pa['miss_decode_tok_s'][2]:5.1f}) {pa['hit_decode_tok_s'][0]:7.1f} ({pa['hit_decode_tok_s'][1]:5.1f}-"
+                     f"{pa['hit_decode_tok_s'][2]:5.1f}) {pa['decode_ratio']:6.3f} {'':>6} {'':>9} {'':>6}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default=None, help="model directory (default: the embedded small model)")
+    ap.add_argument("--preset", default=None, help="a preset made and cached on first use, e.g. qwen2.5-0.5b")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--prompt-tokens", type=int, default=471)
+    ap.add_argument("--max-tokens", type=int, default=192)
+    ap.add_argument("--pairs", type=int, default=7)
+    ap.add_argument("--concurrency", default="1,2", help="levels for paged storage (dense runs at 1)")
+    ap.add_argument("--perf-requests", type=int, default=8)
+    ap.add_argument("--num-threads", type=int, default=1, help="torch threads in the server: 1 leaves a core "
+                                                                 "to the client and Triton on a 2-core machine")
+    ap.add_argument("--out", default=str(ROOT / "perf/results"))
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    results = {name: one_storage(name, args, out) for name in STORAGES}
+    table = summary_table(results)
+    print(f"\n== summary: prompt {args.prompt_tokens} tokens (HIT shares all but 23), {args.max_tokens} new tokens, "
+          f"greedy; {args.pairs} alternate pairs after 1 warm-up pair; medians (min-max)\n{table}")
+    print(f"\nwall time {time.monotonic() - started:.0f}s; JSON and plots in {out}")
+    (out / "summary.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    (out / "summary.txt").write_text(table + "\n")
     return 0
 
 

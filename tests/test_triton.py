@@ -211,3 +211,22 @@ def test_bare_config_is_auto_completed(tiny_dir, tmp_path):
         assert error is None and len(responses) == 3
     finally:
         assert srv.stop() == 0
+
+
+def test_hit_miss_benchmarks_against_server(server, tmp_path):
+    from client import bench_serving_concurrency as bench
+    from perf import perf_hit_miss
+    report = bench.main(["--url", server.grpc_url, "--metrics-url", f"http://127.0.0.1:{server.metrics}/metrics",
+                         "--prompt-tokens", "80", "--max-tokens", "6", "--pairs", "2", "--concurrency", "1,2",
+                         "--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")])
+    for c in (1, 2):
+        row = report["summary"][c]
+        assert row["miss"]["n"] == 2 * c and row["hit"]["n"] == 2 * c
+        assert row["miss"]["cached"] == 0 and row["hit"]["cached"] == 32      # 80 - 23 = 57 shared: one block
+        assert row["hit"]["lookahead_steps"] > 0
+    assert report["summary"][1]["hit"]["lookahead_steps"] == 4     # alone: 5 decode ticks, the first primes
+    assert json.loads((tmp_path / "b.json").read_text())["samples"] and (tmp_path / "b.png").exists()
+    pa = perf_hit_miss.main(["--url", server.grpc_url, "--prompt-tokens", "80", "--max-tokens", "5",
+                             "--requests", "2", "--rounds", "2", "--out", str(tmp_path / "pa")])
+    assert len(pa["miss"]) == 2 and len(pa["hit"]) == 2
+    assert all(r["cached_tokens"] == 32 for r in pa["hit"]) and all(r["cached_tokens"] == 0 for r in pa["miss"])

@@ -20,7 +20,9 @@ class Step:
 
 
 class TorchRunner:
-    def __init__(self, model_dir: str | Path, dtype: str = "auto", device: str = "auto") -> None:
+    def __init__(self, model_dir: str | Path, dtype: str = "auto", device: str = "auto", num_threads: int = 0) -> None:
+        if num_threads:
+            torch.set_num_threads(num_threads)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)

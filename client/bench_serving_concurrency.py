@@ -1,0 +1,212 @@
+"""Serving benchmark: TTFT and decode tok/s after a prompt-cache miss vs after a hit, at several concurrencies.
+
+    python client/bench_serving_concurrency.py --url 127.0.0.1:8001 --protocol triton --concurrency 1,2,4 \\
+        --prompt-tokens 512 --max-tokens 512 --mode alternate --pairs 7 --json out.json --plot out.png
+alternate: one discarded warm-up pair, then MISS/HIT pairs of identical geometry (greedy, EOS ignored, so both
+decode the same window). decode tok/s = (tokens - 1) / (t_last_token - t_first_token), from arrival times.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from client.stream import Result, stream_grpc, stream_openai   # noqa: E402
+from client.workload import Workload                          # noqa: E402
+
+LOOKAHEAD = "pagoda_decode_lookahead_steps_total"
+
+
+@dataclass(slots=True)
+class Sample:
+    concurrency: int
+    pair: int
+    kind: str                 # miss | hit
+    ttft_s: float
+    decode_tok_s: float
+    tokens: int
+    prompt_tokens: int
+    cached_tokens: int
+    lookahead_steps: float    # per request: the counter's delta over the group / group size
+    error: str | None = None
+
+
+def scrape(metrics_url: str | None, name: str = LOOKAHEAD) -> float:
+    if not metrics_url:
+        return float("nan")
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.split("{")[0].split(" ")[0] == name)
+
+
+def paired_ratio(samples: list[Sample], concurrency: int) -> float:
+    """Median over pairs of (hit decode / miss decode), each pair's mean: drift between pairs cancels."""
+    ratios = []
+    for pair in sorted({s.pair for s in samples if s.concurrency == concurrency}):
+        group = {k: [s.decode_tok_s for s in samples if s.concurrency == concurrency and s.pair == pair
+                     and s.kind == k and s.error is None] for k in ("miss", "hit")}
+        if group["miss"] and group["hit"]:
+            ratios.append(statistics.mean(group["hit"]) / statistics.mean(group["miss"]))
+    return statistics.median(ratios) if ratios else float("nan")
+
+
+def summarize(samples: list[Sample]) -> dict:
+    """Per concurrency: median/min/max of TTFT and decode rate for miss and hit, and the hit/miss ratios."""
+    out = {}
+    for c in sorted({s.concurrency for s in samples}):
+        row = {}
+        for kind in ("miss", "hit"):
+            group = [s for s in samples if s.concurrency == c and s.kind == kind and s.error is None]
+            if not group:
+                continue
+            ttft = [s.ttft_s for s in group]
+            rate = [s.decode_tok_s for s in group]
+            row[kind] = {"n": len(group),
+                         "ttft_ms": [1000 * statistics.median(ttft), 1000 * min(ttft), 1000 * max(ttft)],
+                         "decode_tok_s": [statistics.median(rate), min(rate), max(rate)],
+                         "cached": statistics.median(s.cached_tokens for s in group),
+                         "prompt_tokens": statistics.median(s.prompt_tokens for s in group),
+                         "lookahead_steps": statistics.median(s.lookahead_steps for s in group)}
+        if "miss" in row and "hit" in row:
+            row["decode_ratio"] = row["hit"]["decode_tok_s"][0] / row["miss"]["decode_tok_s"][0]
+            row["ttft_ratio"] = row["hit"]["ttft_ms"][0] / row["miss"]["ttft_ms"][0]
+            row["paired_decode_ratio"] = paired_ratio(samples, c)
+        out[c] = row
+    return out
+
+
+def table(summary: dict, title: str = "") -> str:
+    lines = [title] if title else []
+    lines.append(f"{'conc':>4} {'kind':4} {'n':>3} {'TTFT ms med (min-max)':>24} {'decode tok/s med (min-max)':>28} "
+                 f"{'cached':>9} {'lookahead/req':>13}")
+    for c, row in summary.items():
+        for kind in ("miss", "hit"):
+            if kind not in row:
+                continue
+            r = row[kind]
+            t, d = r["ttft_ms"], r["decode_tok_s"]
+            lines.append(f"{c:>4} {kind:4} {r['n']:>3} {t[0]:9.1f} ({t[1]:6.1f}-{t[2]:6.1f}) "
+                         f"{d[0]:11.1f} ({d[1]:6.1f}-{d[2]:6.1f}) "
+                         f"{int(r['cached']):>4}/{int(r['prompt_tokens']):<4} {r['lookahead_steps']:>13.0f}")
+        if "decode_ratio" in row:
+            lines.append(f"{c:>4} hit/miss: decode {row['decode_ratio']:.3f} (paired {row['paired_decode_ratio']:.3f})"
+                         f"  TTFT {row['ttft_ratio']:.3f}")
+    return "\n".join(lines)
+
+
+def plot(samples: list[Sample], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for c in sorted({s.concurrency for s in samples}):
+        for kind, marker in (("miss", "o"), ("hit", "^")):
+            group = [s for s in samples if s.concurrency == c and s.kind == kind and s.error is None]
+            xs = [s.pair for s in group]
+            axes[0].plot(xs, [s.decode_tok_s for s in group], marker, label=f"c={c} {kind}")
+            axes[1].plot(xs, [1000 * s.ttft_s for s in group], marker, label=f"c={c} {kind}")
+    axes[0].set(title="decode tok/s per request", xlabel="pair", ylabel="tok/s")
+    axes[1].set(title="TTFT per request", xlabel="pair", ylabel="ms", yscale="log")
+    for ax in axes:
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.stream = stream_grpc if args.protocol == "triton" else stream_openai
+        host = args.url.rsplit(":", 1)[0]
+        self.metrics_url = args.metrics_url or (f"http://{host}:8002/metrics" if args.protocol == "triton"
+                                                else f"http://{args.url}/metrics")
+        self.params = {"max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
+
+    def group(self, prompts: list[list[int]]) -> tuple[list[Result], float]:
+        """Run prompts concurrently; returns the results and the lookahead counter's delta per request."""
+        before = scrape(self.metrics_url)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(lambda p: self.stream(self.args.url, self.args.model, p, self.params), prompts))
+        time.sleep(0.6)                 # the Triton model mirrors its metrics every 0.5 s
+        return results, (scrape(self.metrics_url) - before) / len(prompts)
+
+    def run(self, concurrency: int, workload: Workload, progress) -> list[Sample]:
+        a, out = self.args, []
+        for pair in range(a.warmup + a.pairs):
+            kinds = ["miss", "hit"] if a.mode == "alternate" else [a.mode]
+            misses = [workload.miss() for _ in range(concurrency)]
+            for kind in kinds:
+                if kind == "hit" and a.mode == "hit":
+                    self.group(misses)             # prime the prefix; not a sample
+                prompts = misses if kind == "miss" else [workload.hit(m) for m in misses]
+                results, steps = self.group(prompts)
+                if pair >= a.warmup:
+                    out += [Sample(concurrency, pair - a.warmup, kind, r.ttft, r.decode_rate, len(r.ids),
+                                   len(p), r.cached_tokens, steps, r.error) for r, p in zip(results, prompts)]
+                progress.update(len(prompts))
+                time.sleep(a.cooldown)
+        return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default="127.0.0.1:8001", help="triton: gRPC host:port; openai: HTTP host:port")
+    ap.add_argument("--protocol", choices=["triton", "openai"], default="triton")
+    ap.add_argument("--model", default="llm")
+    ap.add_argument("--metrics-url", default=None)
+    ap.add_argument("--concurrency", default="1", help="comma-separated, e.g. 1,2,4")
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--hit-suffix", type=int, default=23, help="tokens a HIT prompt does not share")
+    ap.add_argument("--max-tokens", type=int, default=512)
+    ap.add_argument("--mode", choices=["alternate", "hit", "miss"], default="alternate")
+    ap.add_argument("--pairs", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--cooldown", type=float, default=0.0, help="seconds between groups")
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--vocab-high", type=int, default=900, help="prompt token ids are drawn from [3, this)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None)
+    ap.add_argument("--title", default="")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from tqdm import tqdm
+    args = parse_args(argv)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    bench = Bench(args)
+    workload = Workload(args.prompt_tokens, args.hit_suffix, args.seed, high=args.vocab_high)
+    per_group = 3 if args.mode == "hit" else (2 if args.mode == "alternate" else 1)
+    total = sum(c * per_group * (args.warmup + args.pairs) for c in levels) - (
+        sum(levels) * (args.warmup + args.pairs) if args.mode == "hit" else 0)
+    samples: list[Sample] = []
+    with tqdm(total=total, desc="requests", unit="req", file=sys.stderr) as progress:
+        for c in levels:
+            samples += bench.run(c, workload, progress)
+    summary = summarize(samples)
+    print(table(summary, args.title))
+    errors = [s.error for s in samples if s.error]
+    if errors:
+        print(f"{len(errors)} requests failed, first: {errors[0]}", file=sys.stderr)
+    report = {"config": vars(args), "summary": summary, "samples": [asdict(s) for s in samples]}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2), encoding="utf-8")
+    if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        plot(samples, args.plot)
+    return report
+
+
+if __name__ == "__main__":
+    main()

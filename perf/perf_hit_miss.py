@@ -1,0 +1,78 @@
+"""perf_analyzer, hit vs miss: writes --input-data files (a HIT set whose prompts share all but their last tokens
+with a prefix that is warmed first; a MISS set whose prompts never share a first token), runs perf_analyzer on
+each (`-i grpc --streaming`, a fixed request count, concurrency 1) and compares the two exports.
+
+    python perf/perf_hit_miss.py --url 127.0.0.1:8001 --prompt-tokens 471 --max-tokens 128 --requests 8 \\
+        --out perf/results/paged
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from client.stream import stream_grpc      # noqa: E402
+from client.workload import Workload       # noqa: E402
+from perf import compare                   # noqa: E402
+
+
+def input_data(prompts: list[list[int]], params: dict) -> dict:
+    return {"data": [{"input_ids": {"content": p, "shape": [len(p)]}, "stream": [True],
+                      "sampling_parameters": [json.dumps(params)], "return_cached_tokens": [True],
+                      "return_num_input_tokens": [True]} for p in prompts]}
+
+
+def perf_analyzer(url: str, model: str, data: Path, export: Path, requests: int) -> None:
+    cmd = [sys.executable, str(ROOT / "scripts/perf_analyzer.py"), "-m", model, "-u", url, "-i", "grpc",
+           "--streaming", "--input-data", str(data), "--concurrency-range", "1", "--request-count", str(requests),
+           "--stability-percentage", "1000", "--profile-export-file", str(export)]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise SystemExit(f"perf_analyzer failed ({run.returncode}):\n{(run.stdout + run.stderr)[-3000:]}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default="127.0.0.1:8001")
+    ap.add_argument("--model", default="llm")
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--hit-suffix", type=int, default=23)
+    ap.add_argument("--max-tokens", type=int, default=512)
+    ap.add_argument("--requests", type=int, default=8, help="requests per kind, split over the rounds")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating MISS/HIT perf_analyzer runs")
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--vocab-high", type=int, default=900)
+    ap.add_argument("--out", default=str(ROOT / "perf/results"))
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    params = {"max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
+    w = Workload(args.prompt_tokens, args.hit_suffix, args.seed, high=args.vocab_high)
+    prefix = w.miss()
+    hits = [w.hit(prefix) for _ in range(3 * args.requests)]
+    (out / "pa_input_hit.json").write_text(json.dumps(input_data(hits, params)))
+    stream_grpc(args.url, args.model, prefix, params)            # warm the shared prefix
+    per_round = max(1, args.requests // args.rounds)
+    exports: dict[str, list[dict]] = {"miss": [], "hit": []}
+    for i in range(args.rounds):
+        for kind in ("miss", "hit"):
+            if kind == "miss":          # each round takes fresh MISS prompts: none repeats within the run
+                data = input_data([w.miss() for _ in range(3 * per_round)], params)
+                (out / "pa_input_miss.json").write_text(json.dumps(data))
+            export = out / f"pa_{kind}_{i}.json"
+            perf_analyzer(args.url, args.model, out / f"pa_input_{kind}.json", export, per_round)
+            exports[kind].append(json.loads(export.read_text()))
+    result = compare.compare(exports["miss"], exports["hit"])
+    print(compare.table(result))
+    compare.plot(result, str(out / "pa_hit_vs_miss.png"))
+    (out / "pa_compare.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

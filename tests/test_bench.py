@@ -1,0 +1,79 @@
+"""The benchmarks' arithmetic, prompt construction and the perf_analyzer comparison, without a server."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from client.bench_serving_concurrency import Sample, paired_ratio, summarize, table
+from client.stream import Result, _apply
+from client.workload import NONCE, Workload
+from perf import compare
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_decode_rate_uses_token_arrival_times():
+    r = Result(start=10.0)
+    for t, ids in ((10.5, [1]), (10.6, [2, 3]), (11.1, [4])):      # two tokens may arrive in one response
+        _apply(r, {"output_ids": ids}, t)
+    assert r.ttft == pytest.approx(0.5)
+    assert r.decode_rate == pytest.approx(3 / 0.6)                  # (4 tokens - 1) / (11.1 - 10.5)
+    assert math.isnan(Result(start=0.0, token_times=[1.0]).decode_rate)
+
+
+def sample(kind: str, pair: int, rate: float, ttft: float, c: int = 1) -> Sample:
+    return Sample(c, pair, kind, ttft, rate, 100, 471, 448 if kind == "hit" else 0, 98.0)
+
+
+def test_summary_medians_ranges_and_ratios():
+    samples = [sample("miss", 0, 100, 0.2), sample("hit", 0, 99, 0.02), sample("miss", 1, 110, 0.3),
+               sample("hit", 1, 112, 0.03), sample("miss", 2, 90, 0.25), sample("hit", 2, 90, 0.025)]
+    s = summarize(samples)[1]
+    assert s["miss"]["decode_tok_s"] == [100, 90, 110]
+    assert s["hit"]["ttft_ms"] == pytest.approx([25, 20, 30])
+    assert s["decode_ratio"] == pytest.approx(99 / 100)
+    assert s["ttft_ratio"] == pytest.approx(25 / 250)
+    assert s["paired_decode_ratio"] == pytest.approx(sorted([0.99, 112 / 110, 1.0])[1])
+    assert s["hit"]["cached"] == 448 and s["hit"]["prompt_tokens"] == 471
+    assert "448/471" in table({1: s})
+
+
+def test_paired_ratio_averages_within_a_pair():
+    samples = [sample("miss", 0, 100, 0.1, c=2), sample("miss", 0, 200, 0.1, c=2),
+               sample("hit", 0, 150, 0.1, c=2), sample("hit", 0, 150, 0.1, c=2)]
+    assert paired_ratio(samples, 2) == pytest.approx(1.0)
+
+
+def test_miss_prompts_never_share_a_block_and_hits_share_the_intended_prefix():
+    w = Workload(471, suffix=23, seed=5)
+    misses = [w.miss() for _ in range(200)]
+    assert all(len(m) == 471 for m in misses)
+    assert len({m[0] for m in misses}) == 200                    # no two share even their first token
+    assert len({tuple(m[:32]) for m in misses}) == 200           # so no first block is shared
+    for m in misses[:20]:
+        h = w.hit(m)
+        assert len(h) == 471 and h[:448] == m[:448] and h[448] != m[448]
+        assert (min(448, 470) // 32) * 32 == 448                 # what paged storage adopts
+    with pytest.raises(ValueError, match="suffix"):
+        Workload(100, suffix=100)
+    assert NONCE < 471
+
+
+def test_compare_recorded_perf_analyzer_exports(tmp_path):
+    miss = json.loads((DATA / "pa_miss.json").read_text())
+    hit = json.loads((DATA / "pa_hit.json").read_text())
+    c = compare.compare(miss, hit)
+    first = hit["experiments"][0]["requests"][0]
+    ts = first["response_timestamps"]
+    assert c["hit"][0]["ttft_ms"] == pytest.approx((ts[0] - first["timestamp"]) / 1e6)
+    assert c["hit"][0]["decode_tok_s"] == pytest.approx(4 / ((ts[-1] - ts[0]) / 1e9))
+    assert c["hit"][0]["cached_tokens"] == 32 and c["miss"][0]["cached_tokens"] == 0
+    assert c["decode_ratio"] == pytest.approx(c["hit_decode_tok_s"][0] / c["miss_decode_tok_s"][0])
+    pooled = compare.compare([miss, miss], [hit])
+    assert len(pooled["miss"]) == 2 * len(c["miss"])
+    assert "hit/miss: decode" in compare.table(c)
+    compare.plot(c, str(tmp_path / "plot.png"))
+    assert (tmp_path / "plot.png").stat().st_size > 10_000
