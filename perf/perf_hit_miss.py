@@ -54,16 +54,13 @@ def main(argv: list[str] | None = None) -> dict:
     params = {"max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
     w = Workload(args.prompt_tokens, args.hit_suffix, args.seed, high=args.vocab_high)
     prefix = w.miss()
-    hits = [w.hit(prefix) for _ in range(3 * args.requests)]
-    (out / "pa_input_hit.json").write_text(json.dumps(input_data(hits, params)))
     stream_grpc(args.url, args.model, prefix, params)            # warm the shared prefix
     per_round = max(1, args.requests // args.rounds)
     exports: dict[str, list[dict]] = {"miss": [], "hit": []}
     for i in range(args.rounds):
-        for kind in ("miss", "hit"):
-            if kind == "miss":          # each round takes fresh MISS prompts: none repeats within the run
-                data = input_data([w.miss() for _ in range(3 * per_round)], params)
-                (out / "pa_input_miss.json").write_text(json.dumps(data))
+        for kind in ("miss", "hit"):    # fresh prompts each round (3x spare): none repeats within the run
+            prompts = [w.miss() if kind == "miss" else w.hit(prefix) for _ in range(3 * per_round)]
+            (out / f"pa_input_{kind}.json").write_text(json.dumps(input_data(prompts, params)))
             export = out / f"pa_{kind}_{i}.json"
             perf_analyzer(args.url, args.model, out / f"pa_input_{kind}.json", export, per_round)
             exports[kind].append(json.loads(export.read_text()))
