@@ -19,6 +19,7 @@ log = logging.getLogger("pagoda")
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, engine: Engine | None = None) -> None:
         self.engine = engine or Engine(config)
+        self.engine.on_delta = lambda d: self._deliver([d])
         self.inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self.streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Delta]]] = {}
         self.wake = threading.Event()

@@ -5,6 +5,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
@@ -69,6 +70,9 @@ class Engine:
         self.ids = itertools.count()
         self.cancels: deque[int] = deque()
         self.deltas: list[Delta] = []
+        # When set, each delta goes out the moment it exists (a prefill's first token does not wait for the
+        # decode step launched in the same tick); otherwise step() returns them.
+        self.on_delta: Callable[[Delta], None] | None = None
 
     def _auto_blocks(self) -> int:
         per_block = self.runner.bytes_per_token * self.config.block_size
@@ -266,9 +270,12 @@ class Engine:
         end = len(req.text)
         if not final and req.params.stop:
             end = max(req.sent_text, end - max(len(s) for s in req.params.stop) + 1)
-        self.deltas.append(Delta(req.id, req.output_ids[req.sent_ids:], req.text[req.sent_text:end], final,
-                                 req.finish_reason, req.error, len(req.prompt_ids), len(req.output_ids),
-                                 max(req.num_cached, 0)))
+        delta = Delta(req.id, req.output_ids[req.sent_ids:], req.text[req.sent_text:end], final,
+                      req.finish_reason, req.error, len(req.prompt_ids), len(req.output_ids), max(req.num_cached, 0))
+        if self.on_delta is None:
+            self.deltas.append(delta)
+        else:
+            self.on_delta(delta)
         req.sent_ids, req.sent_text = len(req.output_ids), end
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:

@@ -1,0 +1,88 @@
+"""In process, no server or client: per decode step, where the time goes after a prompt-cache miss vs a hit.
+
+    python perf/profile_hit_miss.py [--storage paged|dense] [--pairs 12] [--max-tokens 96] [--threads 1]
+For each alternating MISS/HIT pair it records every decode tick's wall time and the time spent in the KV write
+and the attention op, then prints medians per kind: if the two paths did different work per step, it shows here,
+free of the serving stack's noise.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from client.workload import Workload            # noqa: E402
+from engine.config import EngineConfig          # noqa: E402
+from engine.engine import Engine                # noqa: E402
+from engine.kernels import reference as ref     # noqa: E402
+from engine.sampling import SamplingParams      # noqa: E402
+
+SPENT = {"write_kv": 0.0, "paged_decode_attention": 0.0, "causal_attention": 0.0}
+
+
+def timed(name: str):
+    original = getattr(ref, name)
+
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        out = original(*args, **kwargs)
+        SPENT[name] += time.perf_counter() - t
+        return out
+    setattr(ref, name, wrapper)
+
+
+def decode_ticks(engine: Engine, prompt: list[int], params: SamplingParams) -> dict[str, float]:
+    """Median per-tick times (ms) over the request's decode ticks."""
+    req = engine.add(engine.make_request(prompt, params))
+    while not req.output_ids:                      # prefill
+        engine.step()
+    ticks = {"tick": [], "write": [], "attention": []}
+    while engine.has_work:
+        for k in SPENT:
+            SPENT[k] = 0.0
+        t = time.perf_counter()
+        engine.step()
+        ticks["tick"].append(time.perf_counter() - t)
+        ticks["write"].append(SPENT["write_kv"])
+        ticks["attention"].append(SPENT["paged_decode_attention"] + SPENT["causal_attention"])
+    return {k: 1000 * statistics.median(v) for k, v in ticks.items()} | {"cached": req.num_cached}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--storage", choices=["paged", "dense"], default="paged")
+    ap.add_argument("--prompt-tokens", type=int, default=471)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--pairs", type=int, default=12)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    for name in SPENT:
+        timed(name)
+    engine = Engine(EngineConfig(model=args.model, kv_storage=args.storage, num_threads=args.threads,
+                                 max_batch_size=4 if args.storage == "paged" else 1))
+    w = Workload(args.prompt_tokens, seed=0)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    rows: dict[str, list[dict]] = {"miss": [], "hit": []}
+    for pair in range(args.pairs + 1):
+        miss = w.miss()
+        m, h = decode_ticks(engine, miss, params), decode_ticks(engine, w.hit(miss), params)
+        if pair:                                   # the first pair warms up
+            rows["miss"].append(m)
+            rows["hit"].append(h)
+    print(f"{args.storage}: {args.pairs} pairs, {args.prompt_tokens}-token prompts, {args.max_tokens} new tokens; "
+          f"medians over pairs of per-request median decode tick (ms)")
+    for kind, rs in rows.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in ("tick", "write", "attention", "cached")}
+        print(f"{kind:4} tick {med['tick']:.3f}  kv write {med['write']:.3f}  attention {med['attention']:.3f}  "
+              f"cached {med['cached']:.0f}")
+    ratio = statistics.median(h["tick"] / m["tick"] for m, h in zip(rows["miss"], rows["hit"]))
+    print(f"hit/miss tick time, median of pairs: {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()
