@@ -28,12 +28,14 @@ def input_data(prompts: list[list[int]], params: dict) -> dict:
 
 
 def perf_analyzer(url: str, model: str, data: Path, export: Path, requests: int) -> None:
+    export.unlink(missing_ok=True)            # perf_analyzer refuses to overwrite an export
     cmd = [sys.executable, str(ROOT / "scripts/perf_analyzer.py"), "-m", model, "-u", url, "-i", "grpc",
            "--streaming", "--input-data", str(data), "--concurrency-range", "1", "--request-count", str(requests),
            "--stability-percentage", "1000", "--profile-export-file", str(export)]
     run = subprocess.run(cmd, capture_output=True, text=True)
     if run.returncode != 0:
-        raise SystemExit(f"perf_analyzer failed ({run.returncode}):\n{(run.stdout + run.stderr)[-3000:]}")
+        text = run.stdout + run.stderr
+        raise SystemExit(f"perf_analyzer failed ({run.returncode}): {' '.join(cmd)}\n{text[:1500]}\n...\n{text[-1500:]}")
 
 
 def main(argv: list[str] | None = None) -> dict:
