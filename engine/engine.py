@@ -16,6 +16,7 @@ from engine.lookahead import Lookahead
 from engine.metrics import Metrics
 from engine.prompt_cache import PrefixCache
 from engine.request import Request, Status
+from engine.runners import make_runner
 from engine.runners.base import ModelRunner, Row
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
@@ -36,13 +37,6 @@ class Delta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     cached_tokens: int = 0
-
-
-def make_runner(config: EngineConfig, model_dir: str) -> ModelRunner:
-    if config.runner == "torch":
-        from engine.runners.torch_runner import TorchRunner
-        return TorchRunner(model_dir, config.dtype, config.device, config.num_threads)
-    raise ValueError(f"runner: {config.runner!r} is not available in this build")
 
 
 class Engine:

@@ -1,8 +1,9 @@
 """In process, no server or client: per decode step, where the time goes after a prompt-cache miss vs a hit.
 
     python perf/profile_hit_miss.py [--storage paged|dense] [--pairs 12] [--max-tokens 96] [--threads 1]
-For each alternating MISS/HIT pair it records every decode tick's wall time and the time spent in the KV write
-and the attention op, then prints medians per kind: if the two paths did different work per step, it shows here,
+For each alternating MISS/HIT pair it records every decode tick's wall time, the engine thread's CPU time (which
+excludes time the VM or other processes took from it), and the time spent in the KV write and the attention op,
+then prints medians per kind: if the two paths did different work per step, it shows here,
 free of the serving stack's noise.
 """
 from __future__ import annotations
@@ -40,13 +41,14 @@ def decode_ticks(engine: Engine, prompt: list[int], params: SamplingParams) -> d
     req = engine.add(engine.make_request(prompt, params))
     while not req.output_ids:                      # prefill
         engine.step()
-    ticks = {"tick": [], "write": [], "attention": []}
+    ticks = {"tick": [], "cpu": [], "write": [], "attention": []}
     while engine.has_work:
         for k in SPENT:
             SPENT[k] = 0.0
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         engine.step()
         ticks["tick"].append(time.perf_counter() - t)
+        ticks["cpu"].append(time.thread_time() - c)
         ticks["write"].append(SPENT["write_kv"])
         ticks["attention"].append(SPENT["paged_decode_attention"] + SPENT["causal_attention"])
     return {k: 1000 * statistics.median(v) for k, v in ticks.items()} | {"cached": req.num_cached}
@@ -77,11 +79,12 @@ def main() -> None:
     print(f"{args.storage}: {args.pairs} pairs, {args.prompt_tokens}-token prompts, {args.max_tokens} new tokens; "
           f"medians over pairs of per-request median decode tick (ms)")
     for kind, rs in rows.items():
-        med = {k: statistics.median(r[k] for r in rs) for k in ("tick", "write", "attention", "cached")}
-        print(f"{kind:4} tick {med['tick']:.3f}  kv write {med['write']:.3f}  attention {med['attention']:.3f}  "
-              f"cached {med['cached']:.0f}")
-    ratio = statistics.median(h["tick"] / m["tick"] for m, h in zip(rows["miss"], rows["hit"]))
-    print(f"hit/miss tick time, median of pairs: {ratio:.3f}")
+        med = {k: statistics.median(r[k] for r in rs) for k in ("tick", "cpu", "write", "attention", "cached")}
+        print(f"{kind:4} tick {med['tick']:.3f}  thread cpu {med['cpu']:.3f}  kv write {med['write']:.3f}  "
+              f"attention {med['attention']:.3f}  cached {med['cached']:.0f}")
+    for key in ("tick", "cpu"):
+        ratio = statistics.median(h[key] / m[key] for m, h in zip(rows["miss"], rows["hit"]))
+        print(f"hit/miss {key} time, median of pairs: {ratio:.3f}")
 
 
 if __name__ == "__main__":

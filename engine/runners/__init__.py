@@ -1,1 +1,15 @@
 """Model runners: they own every tensor; the core hands them rows of ints."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.runners.base import ModelRunner
+
+
+def make_runner(config: "EngineConfig", model_dir: str) -> "ModelRunner":
+    if config.runner == "torch":
+        from engine.runners.torch_runner import TorchRunner
+        return TorchRunner(model_dir, config.dtype, config.device, config.num_threads)
+    raise ValueError(f"runner: {config.runner!r} is not available in this build")
