@@ -77,3 +77,38 @@ def test_compare_recorded_perf_analyzer_exports(tmp_path):
     assert "hit/miss: decode" in compare.table(c)
     compare.plot(c, str(tmp_path / "plot.png"))
     assert (tmp_path / "plot.png").stat().st_size > 10_000
+
+
+def test_openai_stream_client_parses_sse():
+    """stream_openai against a loopback stand-in that speaks the OpenAI completions SSE format."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from client.stream import stream_openai
+    seen = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            seen["body"] = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            chunks = [{"choices": [{"text": "Hel", "token_ids": [5], "finish_reason": None}]},
+                      {"choices": [{"text": "lo", "token_ids": [6, 7], "finish_reason": "length"}]},
+                      {"choices": [], "usage": {"prompt_tokens": 40, "prompt_tokens_details": {"cached_tokens": 32}}}]
+            for c in chunks:
+                self.wfile.write(f"data: {json.dumps(c)}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *args):
+            pass
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        r = stream_openai(f"127.0.0.1:{server.server_port}", "m", [1, 2, 3], {"max_tokens": 3, "temperature": 0,
+                                                                               "ignore_eos": True})
+    finally:
+        server.shutdown()
+    assert seen["body"]["prompt"] == [1, 2, 3] and seen["body"]["stream"] is True and seen["body"]["ignore_eos"]
+    assert (r.text, r.ids, r.finish_reason) == ("Hello", [5, 6, 7], "length")
+    assert (r.num_input_tokens, r.cached_tokens) == (40, 32) and len(r.token_times) == 3
