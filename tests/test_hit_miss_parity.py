@@ -1,0 +1,50 @@
+"""The promise, checked structurally: a decode tick after a prompt-cache hit issues exactly the same tensor ops,
+with the same shapes, as one after a miss at the same sequence length, on paged and dense storage."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from engine import LLM, SamplingParams
+from tests.conftest import random_ids
+
+
+class OpLog(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        shapes = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args)
+        self.ops.append((str(func), shapes))
+        return func(*args, **(kwargs or {}))
+
+
+def decode_tick_ops(llm: LLM, prompt: list[int], at: int) -> tuple[list[tuple], int]:
+    """Ops of the decode tick that launches position `at`, and the request's cached tokens."""
+    eng = llm.engine
+    req = eng.add(eng.make_request(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)))
+    log = None
+    while eng.has_work:
+        if req.num_allocated == at and log is None and not req.prefilling:
+            log = OpLog()
+            with log:
+                eng.step()
+        else:
+            eng.step()
+    assert log is not None
+    return log.ops, req.num_cached
+
+
+@pytest.mark.parametrize("storage,batch", [("paged", 4), ("dense", 1)])
+def test_decode_tick_is_identical_after_hit_and_miss(tiny_dir, storage, batch):
+    llm = LLM(model=tiny_dir, dtype="float32", kv_storage=storage, max_batch_size=batch)
+    llm.generate(random_ids(100, seed=1), SamplingParams(max_tokens=4, temperature=0))       # warm-up
+    miss = random_ids(100, seed=2)
+    hit = miss[:77] + random_ids(23, seed=3)
+    miss_ops, miss_cached = decode_tick_ops(llm, miss, at=105)
+    hit_ops, hit_cached = decode_tick_ops(llm, hit, at=105)
+    assert miss_cached == 0 and hit_cached == (64 if storage == "paged" else 77)
+    assert len(miss_ops) > 50
+    assert hit_ops == miss_ops
