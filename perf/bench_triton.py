@@ -37,10 +37,12 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--num-threads", type=int, default=0, help="torch threads, server and in-process alike")
     args = ap.parse_args()
     base = (ROOT / "engine/models/corpus.txt").read_text(encoding="utf-8")[:1500]
     prompts = [f"request {i}: {base}" for i in range(2 * args.repeats + 2)]
     env = {"PAGODA_MODEL": args.model} if args.model else {}
+    env["PAGODA_NUM_THREADS"] = str(args.num_threads)
     log = Path(tempfile.mkdtemp(prefix="pagoda-bench-")) / "tritonserver.log"
     t0 = time.monotonic()
     server = launch(env, log)
@@ -54,7 +56,7 @@ def main() -> None:
             triton.append((r.ttft, r.decode_rate))
     finally:
         server.stop()
-    engine = Engine(EngineConfig(model=args.model))
+    engine = Engine(EngineConfig(model=args.model, num_threads=args.num_threads))
     in_process(engine, prompts[1], args.max_tokens)                                  # warm-up
     local = [in_process(engine, p, args.max_tokens) for p in prompts[2 + args.repeats:]]
     print(f"tritonserver startup to ready: {startup:.1f}s; {args.repeats} cold requests each, "
