@@ -56,8 +56,8 @@ def _apply(result: Result, fields: dict, now: float) -> None:
             setattr(result, name, int(np.atleast_1d(fields[name])[0]))
 
 
-def stream_grpc(url: str, model: str, prompt: str | list[int], params: dict,
-                on_text: Callable[[str], None] | None = None, timeout: float = 600.0) -> Result:
+def grpc_inputs(prompt: str | list[int], params: dict, stream: bool = True, **flags: bool) -> list:
+    """tritonclient gRPC inputs: text_input or input_ids, stream, sampling_parameters, and BOOL flags."""
     import tritonclient.grpc as grpcclient
     inputs = []
 
@@ -69,10 +69,17 @@ def stream_grpc(url: str, model: str, prompt: str | list[int], params: dict,
         add("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES")
     else:
         add("input_ids", np.array(prompt, dtype=np.int32), "INT32")
-    add("stream", np.array([True]), "BOOL")
+    add("stream", np.array([stream]), "BOOL")
     add("sampling_parameters", np.array([json.dumps(params).encode()], dtype=np.object_), "BYTES")
-    for flag in FLAGS:
-        add(flag, np.array([True]), "BOOL")
+    for name, value in flags.items():
+        add(name, np.array([value]), "BOOL")
+    return inputs
+
+
+def stream_grpc(url: str, model: str, prompt: str | list[int], params: dict,
+                on_text: Callable[[str], None] | None = None, timeout: float = 600.0) -> Result:
+    import tritonclient.grpc as grpcclient
+    inputs = grpc_inputs(prompt, params, stream=True, **{flag: True for flag in FLAGS})
     events: queue.Queue = queue.Queue()
     result = Result()
     client = grpcclient.InferenceServerClient(url)

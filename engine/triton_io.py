@@ -32,30 +32,30 @@ class TritonRequest:
     extras: list[str] = field(default_factory=list)    # output names asked for with return_* flags
 
 
-def _flag(inputs: dict[str, np.ndarray], name: str) -> bool | None:
+def _one(inputs: dict[str, np.ndarray], name: str, what: str):
+    """The single element of an optional input, or None when absent."""
     arr = inputs.get(name)
     if arr is None:
         return None
     flat = np.asarray(arr).reshape(-1)
     if flat.size != 1:
-        raise ValueError(f"{name}: expected one boolean, got {flat.size} values")
-    return bool(flat[0])
+        raise ValueError(f"{name}: expected one {what}, got {flat.size} values")
+    return flat[0]
+
+
+def _flag(inputs: dict[str, np.ndarray], name: str) -> bool | None:
+    value = _one(inputs, name, "boolean")
+    return None if value is None else bool(value)
 
 
 def _string(inputs: dict[str, np.ndarray], name: str) -> str | None:
-    arr = inputs.get(name)
-    if arr is None:
-        return None
-    flat = np.asarray(arr).reshape(-1)
-    if flat.size != 1:
-        raise ValueError(f"{name}: expected one string, got {flat.size} values")
-    value = flat[0]
+    value = _one(inputs, name, "string")
     if isinstance(value, bytes):
         try:
             return value.decode("utf-8")
         except UnicodeDecodeError as e:
             raise ValueError(f"{name}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
-    return str(value)
+    return None if value is None else str(value)
 
 
 def parse(inputs: dict[str, np.ndarray]) -> TritonRequest:

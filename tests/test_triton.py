@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from client.stream import stream_grpc, stream_http
+from client.stream import grpc_inputs, stream_grpc, stream_http
 from engine import LLM, SamplingParams
 from scripts import tritonserver as triton_server
 from tests.conftest import random_ids
@@ -29,24 +29,6 @@ def server(tiny_dir, tmp_path_factory):
     srv = triton_server.launch({"PAGODA_MODEL": tiny_dir, "PAGODA_DTYPE": "float32"}, log)
     yield srv
     assert srv.stop(timeout=60) == 0              # finalize must not hang or fail the shutdown
-
-
-def grpc_inputs(prompt, params: dict, stream: bool = True, **flags):
-    inputs = []
-
-    def add(name, value, dtype):
-        t = grpcclient.InferInput(name, list(value.shape), dtype)
-        t.set_data_from_numpy(value)
-        inputs.append(t)
-    if isinstance(prompt, str):
-        add("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES")
-    else:
-        add("input_ids", np.array(prompt, dtype=np.int32), "INT32")
-    add("stream", np.array([stream]), "BOOL")
-    add("sampling_parameters", np.array([json.dumps(params).encode()], dtype=np.object_), "BYTES")
-    for name, value in flags.items():
-        add(name, np.array([value]), "BOOL")
-    return inputs
 
 
 def collect(server, inputs, cancel_after: int | None = None, timeout: float = 60):
