@@ -9,7 +9,6 @@ import time
 import urllib.error
 import urllib.request
 
-import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
