@@ -1,8 +1,9 @@
-"""CLI: python -m engine make-model | generate."""
+"""CLI: python -m engine make-model | generate | serve."""
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -59,13 +60,38 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--repeat", type=int, default=1, help="run the prompt N times (the repeats hit the prompt cache)")
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    add_engine_flags(srv)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8080)
+    srv.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"),
+                     help="require 'Authorization: Bearer KEY' on /v1/* (env PAGODA_API_KEY)")
+    srv.add_argument("--served-model-name", default=None, help="default: the model directory's name")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.cmd == "make-model":
         from engine.models.presets import make_model
         print(make_model(args.preset, args.out, args.seed))
         return 0
+    if args.cmd == "serve":
+        return serve(args)
     return generate(args)
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from engine.async_engine import AsyncEngine
+    from engine.server.app import create_app
+    engine = AsyncEngine(engine_config(args))
+    name = args.served_model_name or os.path.basename(os.path.normpath(engine.engine.config.model))
+    app = create_app(engine, name, args.api_key)
+    logging.getLogger("pagoda").info("serving %s on http://%s:%d", name, args.host, args.port)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    finally:
+        engine.shutdown()
+    return 0
 
 
 def generate(args: argparse.Namespace) -> int:

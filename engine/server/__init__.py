@@ -1,0 +1,1 @@
+"""Standalone OpenAI-compatible HTTP server (FastAPI), for any runner."""

@@ -1,0 +1,116 @@
+"""The OpenAI-compatible app: /v1/completions, /v1/chat/completions (SSE streaming), /v1/models, /health, /metrics.
+A client that disconnects mid-stream closes the engine stream, which aborts the request and frees its KV."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from engine.async_engine import AsyncEngine
+from engine.engine import Delta
+from engine.server.protocol import ChatCompletionRequest, CompletionRequest, usage
+
+
+def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param}}, status_code=status)
+
+
+def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="Pagoda")
+    default_max = 16
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1/") and \
+                request.headers.get("authorization") != f"Bearer {api_key}":
+            return error(401, "missing or wrong API key", "authorization", "authentication_error")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
+        return error(400, f"{field}: {first['msg']}", field)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine.engine.metrics.text(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "pagoda"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        return await serve(body, body.prompt, "text_completion", chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest):
+        try:
+            prompt = engine.engine.tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
+        except ValueError as e:
+            return error(400, str(e), "messages")
+        if body.max_completion_tokens is not None and body.max_tokens is None:
+            body.max_tokens = body.max_completion_tokens
+        return await serve(body, prompt, "chat.completion", chat=True)
+
+    async def serve(body, prompt, kind: str, chat: bool):
+        if body.model != model_name:
+            return error(400, f"model: {body.model!r} is not served here (serving {model_name!r})", "model")
+        try:
+            params = body.sampling(default_max)
+            stream = engine.generate(prompt, params)
+            first = await anext(stream)        # validation errors surface here, before any byte is sent
+        except ValueError as e:
+            message = str(e)
+            return error(400, message, message.split(":", 1)[0])
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        if body.stream:
+            return StreamingResponse(sse(rid, kind, body, first, stream, chat), media_type="text/event-stream")
+        return JSONResponse(await whole(rid, kind, first, stream, chat))
+
+    async def whole(rid: str, kind: str, first: Delta, stream: AsyncIterator[Delta], chat: bool) -> dict:
+        deltas = [first]
+        while not deltas[-1].finished:
+            deltas.append(await anext(stream))
+        last = deltas[-1]
+        text = "".join(d.text for d in deltas)
+        ids = [t for d in deltas for t in d.token_ids]
+        choice = {"index": 0, "finish_reason": last.finish_reason, "token_ids": ids}
+        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        return {"id": rid, "object": kind, "created": int(time.time()), "model": model_name, "choices": [choice],
+                "usage": usage(last.num_prompt_tokens, last.num_output_tokens, last.cached_tokens)}
+
+    async def sse(rid: str, kind: str, body, first: Delta, stream: AsyncIterator[Delta], chat: bool):
+        obj = "chat.completion.chunk" if chat else kind
+        d = first
+        try:
+            while True:
+                if d.finish_reason == "error":
+                    yield f"data: {json.dumps({'error': {'message': d.error, 'type': 'server_error'}})}\n\n"
+                    return
+                part = {"index": 0, "finish_reason": d.finish_reason if d.finished else None,
+                        "token_ids": d.token_ids}
+                part.update({"delta": {"content": d.text}} if chat else {"text": d.text})
+                yield f"data: {json.dumps({'id': rid, 'object': obj, 'model': model_name, 'choices': [part]})}\n\n"
+                if d.finished:
+                    break
+                d = await anext(stream)
+            if body.include_usage:
+                chunk = {"id": rid, "object": obj, "model": model_name, "choices": [],
+                         "usage": usage(d.num_prompt_tokens, d.num_output_tokens, d.cached_tokens)}
+                yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            await stream.aclose()          # a disconnect lands here: the request is aborted, its blocks freed
+
+    return app

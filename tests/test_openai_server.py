@@ -1,0 +1,164 @@
+"""The OpenAI-compatible server over real HTTP (uvicorn on a loopback port)."""
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from client.stream import stream_openai
+from engine import LLM, SamplingParams
+from scripts.tritonserver import free_port
+from tests.conftest import random_ids
+
+PROMPT = random_ids(70, seed=11)
+
+
+def start(tiny_dir, log_path, *extra: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--model", tiny_dir, "--dtype", "float32",
+                             "--port", str(port), *extra], stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    url = f"127.0.0.1:{port}"
+    for _ in range(120):
+        try:
+            urllib.request.urlopen(f"http://{url}/health", timeout=1)
+            return proc, url
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(open(log_path).read())
+            time.sleep(0.25)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, tmp_path_factory):
+    proc, url = start(tiny_dir, tmp_path_factory.mktemp("openai") / "server.log")
+    yield url
+    proc.terminate()
+    assert proc.wait(30) in (0, -signal.SIGTERM)     # uvicorn re-raises SIGTERM after its graceful shutdown
+
+
+def post(url: str, path: str, body: dict | bytes, headers: dict | None = None) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://{url}{path}", data=data,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    text = urllib.request.urlopen(f"http://{url}/metrics").read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        key, _, value = line.rpartition(" ")
+        if key.split("{")[0] == name and all(f'{k}="{v}"' in key for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def test_completions_match_offline_and_report_cached_tokens(server, tiny_dir):
+    expected = LLM(model=tiny_dir, dtype="float32").generate(PROMPT, SamplingParams(max_tokens=8, temperature=0))[0]
+    status, out = post(server, "/v1/completions", {"model": "tiny0", "prompt": PROMPT, "max_tokens": 8,
+                                                   "temperature": 0})
+    assert status == 200, out
+    assert out["choices"][0]["token_ids"] == expected.token_ids and out["choices"][0]["text"] == expected.text
+    assert out["usage"]["prompt_tokens"] == 70 and out["usage"]["completion_tokens"] == 8
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    _, again = post(server, "/v1/completions", {"model": "tiny0", "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+    r = stream_openai(server, "tiny0", PROMPT, {"max_tokens": 8, "temperature": 0})
+    assert r.ids == expected.token_ids and r.text == expected.text and r.finish_reason == "length"
+    assert r.cached_tokens == 64 and r.num_input_tokens == 70
+
+
+def test_chat_completions(server):
+    body = {"model": "tiny0", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 5,
+            "temperature": 0}
+    status, out = post(server, "/v1/chat/completions", body)
+    assert status == 200 and out["object"] == "chat.completion"
+    assert out["choices"][0]["message"]["role"] == "assistant" and len(out["choices"][0]["token_ids"]) == 5
+    req = urllib.request.Request(f"http://{server}/v1/chat/completions", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({**body, "stream": True,
+                                                  "stream_options": {"include_usage": True}}).encode())
+    lines = [line for line in urllib.request.urlopen(req).read().decode().splitlines() if line.startswith("data:")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[5:]) for line in lines[:-1]]
+    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks[:-1]) == out["choices"][0]["message"]["content"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 5 and chunks[-1]["choices"] == []
+
+
+def test_models_health_metrics(server):
+    models = json.loads(urllib.request.urlopen(f"http://{server}/v1/models").read())
+    assert [m["id"] for m in models["data"]] == ["tiny0"]
+    assert metric(server, "pagoda_requests_total", status="completed") >= 1
+    assert metric(server, "pagoda_kv_blocks", state="free") > 0
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"model": "nope", "prompt": "hi"}, "model"),
+    ({"model": "tiny0", "prompt": "hi", "max_tokens": "abc"}, "max_tokens"),
+    ({"model": "tiny0", "prompt": "hi", "temperature": -1}, "temperature"),
+    ({"model": "tiny0", "prompt": ""}, "prompt"),
+    ({"model": "tiny0", "prompt": [1, 99999]}, "input_ids"),
+    ({"model": "tiny0"}, "prompt"),
+    ({"model": "tiny0", "prompt": "hi", "bogus": 1}, "bogus"),
+])
+def test_bad_requests_are_400_naming_the_field(server, body, field):
+    status, out = post(server, "/v1/completions", body)
+    assert status == 400 and out["error"]["param"] == field, out
+    status, out = post(server, "/v1/chat/completions", {"model": "tiny0", "messages": "nope"})
+    assert status == 400 and out["error"]["param"] == "messages"
+    status, out = post(server, "/v1/completions", b"{not json")
+    assert status == 400
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    cancelled = metric(server, "pagoda_requests_total", status="cancelled")
+    host, port = server.split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({"model": "tiny0", "prompt": random_ids(90, seed=4),
+                                                        "max_tokens": 3000, "ignore_eos": True, "stream": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    events = 0
+    while events < 5:
+        events += resp.readline().startswith(b"data:")
+    conn.sock.close()
+    conn.close()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and metric(server, "pagoda_requests_total", status="cancelled") == cancelled:
+        time.sleep(0.1)
+    assert metric(server, "pagoda_requests_total", status="cancelled") == cancelled + 1
+    assert metric(server, "pagoda_kv_blocks", state="used") == 0
+    assert post(server, "/v1/completions", {"model": "tiny0", "prompt": "still here", "max_tokens": 2})[0] == 200
+
+
+def test_bench_client_openai_protocol(server, tmp_path):
+    from client import bench_serving_concurrency as bench
+    report = bench.main(["--protocol", "openai", "--url", server, "--model", "tiny0", "--prompt-tokens", "80",
+                         "--max-tokens", "6", "--pairs", "1", "--json", str(tmp_path / "o.json")])
+    row = report["summary"][1]
+    assert row["miss"]["cached"] == 0 and row["hit"]["cached"] == 32 and row["hit"]["lookahead_steps"] == 4
+
+
+def test_api_key(tiny_dir, tmp_path):
+    proc, url = start(tiny_dir, tmp_path / "log.txt", "--api-key", "s3cret")
+    try:
+        body = {"model": "tiny0", "prompt": "hi", "max_tokens": 2}
+        status, out = post(url, "/v1/completions", body)
+        assert status == 401 and out["error"]["param"] == "authorization"
+        assert post(url, "/v1/completions", body, {"Authorization": "Bearer s3cret"})[0] == 200
+        assert urllib.request.urlopen(f"http://{url}/health").status == 200       # health stays open
+    finally:
+        proc.terminate()
+        proc.wait(30)
