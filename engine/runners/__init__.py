@@ -12,4 +12,10 @@ def make_runner(config: "EngineConfig", model_dir: str) -> "ModelRunner":
     if config.runner == "torch":
         from engine.runners.torch_runner import TorchRunner
         return TorchRunner(model_dir, config.dtype, config.device, config.num_threads)
+    if config.runner == "mlx":
+        try:
+            from engine.runners.mlx_runner import MLXRunner
+        except ImportError as e:
+            raise ValueError(f"runner: mlx is not installed ({e}); pip install -e '.[mlx]'") from None
+        return MLXRunner(model_dir, config.dtype)
     raise ValueError(f"runner: {config.runner!r} is not available in this build")

@@ -76,9 +76,11 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if body.stream:
             return StreamingResponse(sse(rid, kind, body, first, stream, chat), media_type="text/event-stream")
-        return JSONResponse(await whole(rid, kind, first, stream, chat))
+        out, failure = await whole(rid, kind, first, stream, chat)
+        return error(500, failure, kind="server_error") if failure else JSONResponse(out)
 
-    async def whole(rid: str, kind: str, first: Delta, stream: AsyncIterator[Delta], chat: bool) -> dict:
+    async def whole(rid: str, kind: str, first: Delta, stream: AsyncIterator[Delta],
+                    chat: bool) -> tuple[dict, str | None]:
         deltas = [first]
         while not deltas[-1].finished:
             deltas.append(await anext(stream))
@@ -87,8 +89,9 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
         ids = [t for d in deltas for t in d.token_ids]
         choice = {"index": 0, "finish_reason": last.finish_reason, "token_ids": ids}
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-        return {"id": rid, "object": kind, "created": int(time.time()), "model": model_name, "choices": [choice],
-                "usage": usage(last.num_prompt_tokens, last.num_output_tokens, last.cached_tokens)}
+        out = {"id": rid, "object": kind, "created": int(time.time()), "model": model_name, "choices": [choice],
+               "usage": usage(last.num_prompt_tokens, last.num_output_tokens, last.cached_tokens)}
+        return out, (last.error or "request failed") if last.finish_reason == "error" else None
 
     async def sse(rid: str, kind: str, body, first: Delta, stream: AsyncIterator[Delta], chat: bool):
         obj = "chat.completion.chunk" if chat else kind

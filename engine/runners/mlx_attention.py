@@ -1,0 +1,63 @@
+"""Per-step attention for the MLX runner: write new K/V into the cache, then attend (gather + fast SDPA)."""
+from __future__ import annotations
+
+import mlx.core as mx
+
+from engine.runners.base import Row
+
+
+def _sdpa(q: mx.array, k: mx.array, v: mx.array, start: int, scale: float) -> mx.array:
+    """q [T, nh, hd] at positions start.. over k/v [start+T, nkv, hd] (causal); returns [T, nh, hd]."""
+    t, ctx = q.shape[0], k.shape[0]
+    mask = None
+    if t > 1:
+        keep = mx.arange(ctx)[None, :] <= (start + mx.arange(t))[:, None]
+        mask = mx.where(keep, 0.0, -mx.inf).astype(q.dtype)
+    out = mx.fast.scaled_dot_product_attention(q.transpose(1, 0, 2)[None], k.transpose(1, 0, 2)[None],
+                                               v.transpose(1, 0, 2)[None], scale=scale, mask=mask)
+    return out[0].transpose(1, 0, 2)
+
+
+def _spans(rows: list[Row]) -> list[tuple[int, int, int]]:
+    out, offset = [], 0
+    for r in rows:
+        out.append((offset, r.length, r.start))
+        offset += r.length
+    return out
+
+
+def paged(k_cache: list[mx.array], v_cache: list[mx.array], block_size: int, rows: list[Row], scale: float):
+    """k_cache[layer] is [num_blocks * block_size, nkv, hd]: a block is a run of block_size slots."""
+    slots = mx.array([s for r in rows for s in r.slots])
+    spans = _spans(rows)
+    tables = [mx.array(r.block_table) for r in rows]
+
+    def attend(layer: int, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+        kc, vc = k_cache[layer], v_cache[layer]
+        kc[slots] = k                  # scatter of the new positions only
+        vc[slots] = v
+        nb = kc.shape[0] // block_size
+        outs = []
+        for (o, n, start), table in zip(spans, tables):
+            ctx = start + n
+            blocks = table[:-(-ctx // block_size)]
+            kr = kc.reshape(nb, block_size, *kc.shape[1:])[blocks].reshape(-1, *kc.shape[1:])[:ctx]
+            vr = vc.reshape(nb, block_size, *vc.shape[1:])[blocks].reshape(-1, *vc.shape[1:])[:ctx]
+            outs.append(_sdpa(q[o:o + n], kr, vr, start, scale))
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs)
+    return attend
+
+
+def dense(buffers: dict[int, list[list[mx.array]]], rows: list[Row], scale: float):
+    """buffers[buf][layer] is [k, v], each [capacity, nkv, hd]; attention reads the first start+n positions."""
+    spans = [(o, n, start, buffers[r.buf]) for (o, n, start), r in zip(_spans(rows), rows)]
+
+    def attend(layer: int, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+        outs = []
+        for o, n, start, buf in spans:
+            kv = buf[layer]
+            kv[0][start:start + n] = k[o:o + n]
+            kv[1][start:start + n] = v[o:o + n]
+            outs.append(_sdpa(q[o:o + n], kv[0][:start + n], kv[1][:start + n], start, scale))
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs)
+    return attend

@@ -1,0 +1,138 @@
+"""MLX runner: steps are built lazily on a dedicated stream and started with mx.async_eval, so step n+1 can be
+launched from step n's sampled tokens before they are read back."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from engine.models.qwen2_mlx import load_mlx
+from engine.runners import mlx_attention
+from engine.runners.base import Row
+from engine.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class Step:
+    tokens: mx.array      # [rows] int32, -1 where a row did not sample
+
+
+class MLXRunner:
+    def __init__(self, model_dir: str | Path, dtype: str = "auto") -> None:
+        self.model = load_mlx(model_dir, dtype)
+        cfg = self.model.cfg
+        self.dtype = self.model.dtype
+        self.vocab_size = cfg.vocab_size
+        self.max_model_len = cfg.max_position_embeddings
+        self.eos_token_ids = list(cfg.eos_token_id)
+        self.kv_shape = (cfg.num_key_value_heads, cfg.head_dim)
+        self.layers = cfg.num_hidden_layers
+        self.bytes_per_token = 2 * self.layers * cfg.num_key_value_heads * cfg.head_dim * self.dtype.size
+        self.scale = cfg.head_dim ** -0.5
+        self.streams: dict[int, mx.Stream] = {}      # MLX streams belong to the thread that made them
+        self.k_cache: list[mx.array] = []
+        self.v_cache: list[mx.array] = []
+        self.block_size = 0
+        self.dense: dict[int, list[list[mx.array]]] = {}
+        self.next_buf = 0
+        self.keys: dict[int, mx.array] = {}
+        self.tokens_computed = 0
+
+    def init_paged(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        shape = (num_blocks * block_size, *self.kv_shape)
+        self.k_cache = [mx.zeros(shape, dtype=self.dtype) for _ in range(self.layers)]
+        self.v_cache = [mx.zeros(shape, dtype=self.dtype) for _ in range(self.layers)]
+        mx.eval(self.k_cache, self.v_cache)
+
+    def _buffer(self, capacity: int) -> list[list[mx.array]]:
+        with mx.stream(self._stream()):
+            return [[mx.zeros((capacity, *self.kv_shape), dtype=self.dtype) for _ in range(2)]
+                    for _ in range(self.layers)]
+
+    def dense_alloc(self, capacity: int) -> int:
+        buf, self.next_buf = self.next_buf, self.next_buf + 1
+        self.dense[buf] = self._buffer(capacity)
+        return buf
+
+    def dense_resize(self, buf: int, capacity: int) -> None:
+        old, new = self.dense[buf], self._buffer(capacity)
+        n = min(capacity, old[0][0].shape[0])
+        with mx.stream(self._stream()):
+            for layer in range(self.layers):
+                for i in range(2):
+                    new[layer][i][:n] = old[layer][i][:n]
+        self.dense[buf] = new
+
+    def dense_free(self, buf: int) -> None:
+        del self.dense[buf]
+
+    def release(self, seq: int) -> None:
+        self.keys.pop(seq, None)
+
+    def _sample(self, logits: mx.array, rows: list[Row]) -> mx.array:
+        for i, row in enumerate(rows):
+            if row.ban:
+                logits[i, mx.array(row.ban)] = -mx.inf
+        tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+        for i, row in enumerate(rows):
+            if row.params is not None and not row.params.greedy:
+                tokens[i] = self._sample_one(logits[i], row.params, row.seq)
+        return tokens
+
+    def _sample_one(self, logits: mx.array, p: SamplingParams, seq: int) -> mx.array:
+        key = self.keys.get(seq)
+        if key is None:
+            key = mx.random.key(p.seed if p.seed is not None else int(mx.random.randint(0, 2**31, ()).item()))
+        key, sub = mx.random.split(key)
+        self.keys[seq] = key
+        logits = logits / p.temperature
+        if 0 < p.top_k < logits.shape[-1]:
+            kth = mx.sort(logits)[-p.top_k]
+            logits = mx.where(logits < kth, -mx.inf, logits)
+        if p.top_p < 1.0:
+            order = mx.argsort(-logits)
+            probs = mx.softmax(logits[order])
+            drop = (mx.cumsum(probs) - probs) > p.top_p
+            mask = mx.zeros(logits.shape, dtype=mx.bool_)
+            mask[order] = drop
+            logits = mx.where(mask, -mx.inf, logits)
+        return mx.random.categorical(logits, key=sub).astype(mx.int32)
+
+    def _stream(self) -> mx.Stream:
+        tid = threading.get_ident()
+        if tid not in self.streams:
+            self.streams[tid] = mx.new_stream(mx.default_device())
+        return self.streams[tid]
+
+    def forward(self, rows: list[Row], prev: Step | None) -> Step:
+        with mx.stream(self._stream()):
+            ids, positions, chained, last = [], [], [], []
+            for r in rows:
+                if r.prev >= 0:
+                    chained.append((len(ids), r.prev))
+                ids.extend(r.tokens or (0,))
+                positions.extend(range(r.start, r.start + r.length))
+                last.append(len(ids) - 1)
+            ids_a = mx.array(ids, dtype=mx.int32)
+            if chained:
+                dst, src = zip(*chained)
+                ids_a[mx.array(dst)] = prev.tokens[mx.array(src)]
+            if rows[0].buf >= 0:
+                attn = mlx_attention.dense(self.dense, rows, self.scale)
+            else:
+                attn = mlx_attention.paged(self.k_cache, self.v_cache, self.block_size, rows, self.scale)
+            hidden = self.model.forward(ids_a, mx.array(positions), attn)
+            self.tokens_computed += len(ids)
+            picked = [i for i, r in enumerate(rows) if r.sample]
+            tokens = mx.full((len(rows),), -1, dtype=mx.int32)
+            if picked:
+                logits = self.model.logits(hidden[mx.array([last[i] for i in picked])])
+                tokens[mx.array(picked)] = self._sample(logits, [rows[i] for i in picked])
+            mx.async_eval(tokens, *self.k_cache, *self.v_cache)
+        return Step(tokens)
+
+    def fetch(self, step: Step) -> list[int]:
+        return step.tokens.tolist()
