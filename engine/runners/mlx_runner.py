@@ -109,6 +109,12 @@ class MLXRunner:
 
     def forward(self, rows: list[Row], prev: Step | None) -> Step:
         with mx.stream(self._stream()):
+            if prev is not None:
+                # Until the previous step is evaluated its graph still references the cache arrays, and the
+                # scatter below would copy each whole cache instead of writing in place (measured: 70 ms a step
+                # at 4096 blocks). Waiting for it costs little on CPU, where async_eval does most of the work
+                # up front; its tokens still stay on the device until fetch().
+                mx.eval(prev.tokens)
             ids, positions, chained, last = [], [], [], []
             for r in rows:
                 if r.prev >= 0:

@@ -1,0 +1,72 @@
+"""MLX runner decode tok/s next to mlx-lm's generate on the same checkpoint, and lookahead vs synchronous decode
+(PAGODA_FORCE_SYNC), in one run, interleaved. Greedy; decode rate = (tokens - 1) / (t_last - t_first).
+
+    python perf/bench_mlx.py [--preset small] [--max-tokens 128] [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.config import EngineConfig          # noqa: E402
+from engine.engine import Engine                # noqa: E402
+from engine.models.presets import cached_model  # noqa: E402
+from engine.sampling import SamplingParams      # noqa: E402
+
+
+def pagoda(engine: Engine, prompt: list[int], n: int) -> float:
+    times: list[float] = []
+    engine.add(engine.make_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)))
+    while engine.has_work:
+        for d in engine.step():
+            times += [time.perf_counter()] * len(d.token_ids)
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def mlx_lm_rate(model, tokenizer, prompt: list[int], n: int) -> float:
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+    times = [time.perf_counter() for _ in stream_generate(model, tokenizer, prompt, max_tokens=n,
+                                                          sampler=make_sampler(temp=0.0))]
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    from mlx_lm import load
+    path = str(cached_model(args.preset))
+    model, tokenizer = load(path)
+    engines = {"pagoda mlx lookahead": Engine(EngineConfig(model=path, runner="mlx", lookahead=True)),
+               "pagoda mlx sync": Engine(EngineConfig(model=path, runner="mlx", lookahead=False))}
+    rng = random.Random(0)
+    runs: dict[str, list[float]] = {"mlx-lm": [], **{k: [] for k in engines}}
+    for i in range(args.repeats + 1):
+        prompt = [rng.randrange(3, 800) for _ in range(args.prompt_tokens)]
+        n = 8 if i == 0 else args.max_tokens                      # the first round warms up
+        rates = {"mlx-lm": mlx_lm_rate(model, tokenizer, prompt, n)}
+        rates.update({k: pagoda(e, prompt, n) for k, e in engines.items()})
+        if i:
+            for k, v in rates.items():
+                runs[k].append(v)
+    base = statistics.median(runs["mlx-lm"])
+    sync = statistics.median(runs["pagoda mlx sync"])
+    print(f"preset {args.preset}, {args.max_tokens} new tokens, {args.repeats} interleaved repeats, medians")
+    for name, rates in runs.items():
+        med = statistics.median(rates)
+        print(f"{name:22} {med:8.1f} tok/s ({min(rates):.1f}-{max(rates):.1f})  x mlx-lm {med / base:.2f}  "
+              f"x sync {med / sync:.2f}")
+
+
+if __name__ == "__main__":
+    main()
