@@ -162,3 +162,35 @@ def test_api_key(tiny_dir, tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_mlx_runner_behind_the_server(tiny_dir, tmp_path):
+    """The Apple path: `serve --runner mlx`, streamed and whole completions, cached tokens, disconnect frees KV."""
+    pytest.importorskip("mlx.core")
+    proc, url = start(tiny_dir, tmp_path / "log.txt", "--runner", "mlx")
+    try:
+        expected = LLM(model=tiny_dir, dtype="float32").generate(PROMPT, SamplingParams(max_tokens=6, temperature=0))
+        status, out = post(url, "/v1/completions", {"model": "tiny0", "prompt": PROMPT, "max_tokens": 6,
+                                                    "temperature": 0})
+        assert status == 200 and out["choices"][0]["token_ids"] == expected[0].token_ids
+        r = stream_openai(url, "tiny0", PROMPT, {"max_tokens": 6, "temperature": 0})
+        assert r.ids == expected[0].token_ids and r.cached_tokens == 64
+        host, port = url.split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps({"model": "tiny0", "prompt": random_ids(90, seed=4),
+                                                            "max_tokens": 2000, "ignore_eos": True, "stream": True}),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        events = 0
+        while events < 3:
+            events += resp.readline().startswith(b"data:")
+        resp.close()
+        conn.close()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and metric(url, "pagoda_requests_total", status="cancelled") == 0:
+            time.sleep(0.1)
+        assert metric(url, "pagoda_requests_total", status="cancelled") == 1
+        assert metric(url, "pagoda_kv_blocks", state="used") == 0
+    finally:
+        proc.terminate()
+        proc.wait(30)
