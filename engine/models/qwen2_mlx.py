@@ -64,9 +64,7 @@ class Qwen2MLX:
         return x * cos + rotated * sin
 
     def rms(self, x: mx.array, weight: mx.array) -> mx.array:
-        h = x.astype(mx.float32)
-        h = h * mx.rsqrt(mx.mean(h * h, axis=-1, keepdims=True) + self.cfg.rms_norm_eps)
-        return weight * h.astype(x.dtype)
+        return mx.fast.rms_norm(x, weight, self.cfg.rms_norm_eps)
 
     def forward(self, ids: mx.array, positions: mx.array, attn: Attention) -> mx.array:
         cfg, t = self.cfg, ids.shape[0]
