@@ -66,6 +66,27 @@ def metric(url: str, name: str, **labels: str) -> float:
     return total
 
 
+def drop_mid_stream(url: str, events: int) -> None:
+    """Open a long streamed completion, read `events` SSE events, then hang up."""
+    host, port = url.split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({"model": "tiny0", "prompt": random_ids(90, seed=4),
+                                                        "max_tokens": 2000, "ignore_eos": True, "stream": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    seen = 0
+    while seen < events:
+        seen += resp.readline().startswith(b"data:")
+    resp.close()
+    conn.close()
+
+
+def wait_cancelled(url: str, count: float) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and metric(url, "pagoda_requests_total", status="cancelled") < count:
+        time.sleep(0.1)
+
+
 def test_completions_match_offline_and_report_cached_tokens(server, tiny_dir):
     expected = LLM(model=tiny_dir, dtype="float32").generate(PROMPT, SamplingParams(max_tokens=8, temperature=0))[0]
     status, out = post(server, "/v1/completions", {"model": "tiny0", "prompt": PROMPT, "max_tokens": 8,
@@ -124,20 +145,8 @@ def test_bad_requests_are_400_naming_the_field(server, body, field):
 
 def test_disconnect_mid_stream_frees_blocks(server):
     cancelled = metric(server, "pagoda_requests_total", status="cancelled")
-    host, port = server.split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    conn.request("POST", "/v1/completions", json.dumps({"model": "tiny0", "prompt": random_ids(90, seed=4),
-                                                        "max_tokens": 3000, "ignore_eos": True, "stream": True}),
-                 {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    events = 0
-    while events < 5:
-        events += resp.readline().startswith(b"data:")
-    conn.sock.close()
-    conn.close()
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and metric(server, "pagoda_requests_total", status="cancelled") == cancelled:
-        time.sleep(0.1)
+    drop_mid_stream(server, events=5)
+    wait_cancelled(server, cancelled + 1)
     assert metric(server, "pagoda_requests_total", status="cancelled") == cancelled + 1
     assert metric(server, "pagoda_kv_blocks", state="used") == 0
     assert post(server, "/v1/completions", {"model": "tiny0", "prompt": "still here", "max_tokens": 2})[0] == 200
@@ -175,20 +184,8 @@ def test_mlx_runner_behind_the_server(tiny_dir, tmp_path):
         assert status == 200 and out["choices"][0]["token_ids"] == expected[0].token_ids
         r = stream_openai(url, "tiny0", PROMPT, {"max_tokens": 6, "temperature": 0})
         assert r.ids == expected[0].token_ids and r.cached_tokens == 64
-        host, port = url.split(":")
-        conn = http.client.HTTPConnection(host, int(port), timeout=30)
-        conn.request("POST", "/v1/completions", json.dumps({"model": "tiny0", "prompt": random_ids(90, seed=4),
-                                                            "max_tokens": 2000, "ignore_eos": True, "stream": True}),
-                     {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        events = 0
-        while events < 3:
-            events += resp.readline().startswith(b"data:")
-        resp.close()
-        conn.close()
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and metric(url, "pagoda_requests_total", status="cancelled") == 0:
-            time.sleep(0.1)
+        drop_mid_stream(url, events=3)
+        wait_cancelled(url, 1)
         assert metric(url, "pagoda_requests_total", status="cancelled") == 1
         assert metric(url, "pagoda_kv_blocks", state="used") == 0
     finally:

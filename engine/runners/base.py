@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from engine.models.config import ModelConfig
 from engine.sampling import SamplingParams
 
 
@@ -41,3 +42,46 @@ class ModelRunner(Protocol):
     def dense_alloc(self, capacity: int) -> int: ...
     def dense_resize(self, buf: int, capacity: int) -> None: ...
     def dense_free(self, buf: int) -> None: ...
+
+
+@dataclass(slots=True)
+class Geometry:
+    """What the core needs to know of a loaded model, whatever the framework."""
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    layers: int
+    kv_shape: tuple[int, int]     # (n_kv_heads, head_dim)
+    bytes_per_token: int          # KV bytes of one position, all layers
+    scale: float                  # attention softmax scale
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, itemsize: int) -> "Geometry":
+        n_kv, hd = cfg.num_key_value_heads, cfg.head_dim
+        return cls(cfg.vocab_size, cfg.max_position_embeddings, list(cfg.eos_token_id), cfg.num_hidden_layers,
+                   (n_kv, hd), 2 * cfg.num_hidden_layers * n_kv * hd * itemsize, hd ** -0.5)
+
+
+def spans(rows: list[Row]) -> list[tuple[int, int, int]]:
+    """(offset in the flattened tokens, length, start position) of each row."""
+    out, offset = [], 0
+    for r in rows:
+        out.append((offset, r.length, r.start))
+        offset += r.length
+    return out
+
+
+def flatten(rows: list[Row]) -> tuple[list[int], list[int], list[tuple[int, int]], list[int]]:
+    """One step's rows as flat token ids (0 where the previous step's token goes), their positions,
+    (flat index, previous-step row) pairs to fill on the device, and each row's last flat index."""
+    ids: list[int] = []
+    positions: list[int] = []
+    chained: list[tuple[int, int]] = []
+    last: list[int] = []
+    for r in rows:
+        if r.prev >= 0:
+            chained.append((len(ids), r.prev))
+        ids.extend(r.tokens or (0,))
+        positions.extend(range(r.start, r.start + r.length))
+        last.append(len(ids) - 1)
+    return ids, positions, chained, last

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from engine.runners.base import Row
+from engine.runners.base import Row, spans
 
 
 def _sdpa(q: mx.array, k: mx.array, v: mx.array, start: int, scale: float) -> mx.array:
@@ -18,18 +18,11 @@ def _sdpa(q: mx.array, k: mx.array, v: mx.array, start: int, scale: float) -> mx
     return out[0].transpose(1, 0, 2)
 
 
-def _spans(rows: list[Row]) -> list[tuple[int, int, int]]:
-    out, offset = [], 0
-    for r in rows:
-        out.append((offset, r.length, r.start))
-        offset += r.length
-    return out
-
 
 def paged(k_cache: list[mx.array], v_cache: list[mx.array], block_size: int, rows: list[Row], scale: float):
     """k_cache[layer] is [num_blocks * block_size, nkv, hd]: a block is a run of block_size slots."""
     slots = mx.array([s for r in rows for s in r.slots])
-    spans = _spans(rows)
+    parts = spans(rows)
     tables = [mx.array(r.block_table) for r in rows]
 
     def attend(layer: int, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
@@ -38,7 +31,7 @@ def paged(k_cache: list[mx.array], v_cache: list[mx.array], block_size: int, row
         vc[slots] = v
         nb = kc.shape[0] // block_size
         outs = []
-        for (o, n, start), table in zip(spans, tables):
+        for (o, n, start), table in zip(parts, tables):
             ctx = start + n
             blocks = table[:-(-ctx // block_size)]
             kr = kc.reshape(nb, block_size, *kc.shape[1:])[blocks].reshape(-1, *kc.shape[1:])[:ctx]
@@ -50,11 +43,11 @@ def paged(k_cache: list[mx.array], v_cache: list[mx.array], block_size: int, row
 
 def dense(buffers: dict[int, list[list[mx.array]]], rows: list[Row], scale: float):
     """buffers[buf][layer] is [k, v], each [capacity, nkv, hd]; attention reads the first start+n positions."""
-    spans = [(o, n, start, buffers[r.buf]) for (o, n, start), r in zip(_spans(rows), rows)]
+    parts = [(o, n, start, buffers[r.buf]) for (o, n, start), r in zip(spans(rows), rows)]
 
     def attend(layer: int, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
         outs = []
-        for o, n, start, buf in spans:
+        for o, n, start, buf in parts:
             kv = buf[layer]
             kv[0][start:start + n] = k[o:o + n]
             kv[1][start:start + n] = v[o:o + n]

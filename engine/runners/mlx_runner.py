@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from engine.models.qwen2_mlx import load_mlx
 from engine.runners import mlx_attention
-from engine.runners.base import Row
+from engine.runners.base import Geometry, Row, flatten
 from engine.sampling import SamplingParams
 
 
@@ -24,13 +24,9 @@ class MLXRunner:
         self.model = load_mlx(model_dir, dtype)
         cfg = self.model.cfg
         self.dtype = self.model.dtype
-        self.vocab_size = cfg.vocab_size
-        self.max_model_len = cfg.max_position_embeddings
-        self.eos_token_ids = list(cfg.eos_token_id)
-        self.kv_shape = (cfg.num_key_value_heads, cfg.head_dim)
-        self.layers = cfg.num_hidden_layers
-        self.bytes_per_token = 2 * self.layers * cfg.num_key_value_heads * cfg.head_dim * self.dtype.size
-        self.scale = cfg.head_dim ** -0.5
+        g = Geometry.of(cfg, self.dtype.size)
+        self.vocab_size, self.max_model_len, self.eos_token_ids = g.vocab_size, g.max_model_len, g.eos_token_ids
+        self.layers, self.kv_shape, self.bytes_per_token, self.scale = g.layers, g.kv_shape, g.bytes_per_token, g.scale
         self.streams: dict[int, mx.Stream] = {}      # MLX streams belong to the thread that made them
         self.k_cache: list[mx.array] = []
         self.v_cache: list[mx.array] = []
@@ -115,13 +111,7 @@ class MLXRunner:
                 # at 4096 blocks). Waiting for it costs little on CPU, where async_eval does most of the work
                 # up front; its tokens still stay on the device until fetch().
                 mx.eval(prev.tokens)
-            ids, positions, chained, last = [], [], [], []
-            for r in rows:
-                if r.prev >= 0:
-                    chained.append((len(ids), r.prev))
-                ids.extend(r.tokens or (0,))
-                positions.extend(range(r.start, r.start + r.length))
-                last.append(len(ids) - 1)
+            ids, positions, chained, last = flatten(rows)
             ids_a = mx.array(ids, dtype=mx.int32)
             if chained:
                 dst, src = zip(*chained)

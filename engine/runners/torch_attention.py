@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from engine.kernels import reference as ref
-from engine.runners.base import Row
+from engine.runners.base import Row, spans
 
 
 def paged(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: list[Row], scale: float, device: torch.device):
@@ -23,24 +23,24 @@ def paged(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: list[Row], scale: 
             return ref.paged_decode_attention(q, k_cache[layer], v_cache[layer], tables, seq_lens, scale, max_len)
         return decode
 
-    spans = _spans(rows)
+    parts = spans(rows)
     tables = [torch.tensor(r.block_table, dtype=torch.long, device=device) for r in rows]
 
     def prefill(layer: int, q, k, v):
         ref.write_kv(k_cache[layer], v_cache[layer], slots, k, v)
         outs = [ref.paged_prefill_attention(q[o:o + n], k_cache[layer], v_cache[layer], table, start, scale)
-                for (o, n, start), table in zip(spans, tables)]
+                for (o, n, start), table in zip(parts, tables)]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
     return prefill
 
 
 def dense(buffers: dict[int, torch.Tensor], rows: list[Row], scale: float):
     """Each buffer is [layers, 2, capacity, n_kv, hd]; attention reads a view of it, no copy."""
-    spans = [(o, n, start, buffers[r.buf]) for (o, n, start), r in zip(_spans(rows), rows)]
+    parts = [(o, n, start, buffers[r.buf]) for (o, n, start), r in zip(spans(rows), rows)]
 
     def attend(layer: int, q, k, v):
         outs = []
-        for o, n, start, buf in spans:
+        for o, n, start, buf in parts:
             buf[layer, 0, start:start + n] = k[o:o + n]
             buf[layer, 1, start:start + n] = v[o:o + n]
             outs.append(ref.causal_attention(q[o:o + n], buf[layer, 0, :start + n], buf[layer, 1, :start + n],
@@ -48,10 +48,3 @@ def dense(buffers: dict[int, torch.Tensor], rows: list[Row], scale: float):
         return outs[0] if len(outs) == 1 else torch.cat(outs)
     return attend
 
-
-def _spans(rows: list[Row]) -> list[tuple[int, int, int]]:
-    out, offset = [], 0
-    for r in rows:
-        out.append((offset, r.length, r.start))
-        offset += r.length
-    return out

@@ -8,7 +8,7 @@ import torch
 
 from engine.models.loader import load_model
 from engine.runners import torch_attention
-from engine.runners.base import Row
+from engine.runners.base import Geometry, Row, flatten
 from engine.runners.torch_sampler import sample
 
 
@@ -29,13 +29,9 @@ class TorchRunner:
         self.model = load_model(model_dir, dtype, device)
         cfg = self.model.cfg
         self.dtype = self.model.embed.weight.dtype
-        self.vocab_size = cfg.vocab_size
-        self.max_model_len = cfg.max_position_embeddings
-        self.eos_token_ids = list(cfg.eos_token_id)
-        self.kv_shape = (cfg.num_key_value_heads, cfg.head_dim)
-        self.layers = cfg.num_hidden_layers
-        self.bytes_per_token = 2 * self.layers * cfg.num_key_value_heads * cfg.head_dim * self.dtype.itemsize
-        self.scale = cfg.head_dim ** -0.5
+        g = Geometry.of(cfg, self.dtype.itemsize)
+        self.vocab_size, self.max_model_len, self.eos_token_ids = g.vocab_size, g.max_model_len, g.eos_token_ids
+        self.layers, self.kv_shape, self.bytes_per_token, self.scale = g.layers, g.kv_shape, g.bytes_per_token, g.scale
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.dense: dict[int, torch.Tensor] = {}
@@ -77,13 +73,7 @@ class TorchRunner:
 
     @torch.inference_mode()
     def forward(self, rows: list[Row], prev: Step | None) -> Step:
-        ids, positions, chained, last = [], [], [], []
-        for r in rows:
-            if r.prev >= 0:
-                chained.append((len(ids), r.prev))
-            ids.extend(r.tokens or (0,))
-            positions.extend(range(r.start, r.start + r.length))
-            last.append(len(ids) - 1)
+        ids, positions, chained, last = flatten(rows)
         dev = self.device
         ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
         if chained:
