@@ -290,6 +290,7 @@ class Engine:
         ttft = (req.first_token_at - req.arrival) * 1000 if req.first_token_at else 0.0
         log.info("prompt-cache: request completed cached=%d/%d id=%d output=%d reason=%s ttft=%.1fms decode=%.1ftok/s",
                  max(req.num_cached, 0), len(req.prompt_ids), req.id, len(req.output_ids), reason, ttft, decode)
+        self._gauges()          # before the final delta goes out: a front end may read the gauges on it
         self._emit(req, final=True)
 
     def _gauges(self) -> None:

@@ -103,3 +103,15 @@ def test_request_larger_than_pool(tiny_dir):
     out = llm.generate(random_ids(40, seed=1), greedy(100))[0]     # fits to start, outgrows the pool while decoding
     assert out.finish_reason == "error" and "kv cache" in out.error
     assert llm.engine.pool.num_free + llm.engine.pool.num_cached == 4
+
+
+def test_gauges_are_fresh_when_the_final_delta_goes_out(tiny_dir):
+    """Front ends scrape right after a request ends: its blocks must already show as released."""
+    llm = make(tiny_dir, prompt_cache=False)
+    eng = llm.engine
+    seen = []
+    eng.on_delta = lambda d: d.finished and seen.append(eng.metrics.value("pagoda_kv_blocks", state="used"))
+    eng.add(eng.make_request(random_ids(70, seed=1), greedy(5)))
+    while eng.has_work:
+        eng.step()
+    assert seen == [0]
