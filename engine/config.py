@@ -1,7 +1,6 @@
 """EngineConfig: one set of option names for CLI flags, config.pbtxt parameters and env."""
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, fields
 from typing import Any
@@ -75,9 +74,6 @@ class EngineConfig:
             if key in env:
                 merged[f.name] = env[key]
         return cls.from_strings(merged)
-
-    def replace(self, **changes: Any) -> "EngineConfig":
-        return dataclasses.replace(self, **changes)
 
 
 def _parse(name: str, type_: str, raw: Any) -> Any:
