@@ -12,13 +12,13 @@ import json
 import statistics
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from client.metrics import scrape                            # noqa: E402
 from client.stream import Result, stream_grpc, stream_openai   # noqa: E402
 from client.workload import Workload                          # noqa: E402
 
@@ -39,12 +39,8 @@ class Sample:
     error: str | None = None
 
 
-def scrape(metrics_url: str | None, name: str = LOOKAHEAD) -> float:
-    if not metrics_url:
-        return float("nan")
-    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.split("{")[0].split(" ")[0] == name)
+def lookahead_steps(metrics_url: str | None) -> float:
+    return scrape(metrics_url, LOOKAHEAD) if metrics_url else float("nan")
 
 
 def paired_ratio(samples: list[Sample], concurrency: int) -> float:
@@ -134,11 +130,11 @@ class Bench:
 
     def group(self, prompts: list[list[int]]) -> tuple[list[Result], float]:
         """Run prompts concurrently; returns the results and the lookahead counter's delta per request."""
-        before = scrape(self.metrics_url)
+        before = lookahead_steps(self.metrics_url)
         with ThreadPoolExecutor(len(prompts)) as pool:
             results = list(pool.map(lambda p: self.stream(self.args.url, self.args.model, p, self.params), prompts))
         time.sleep(0.6)                 # the Triton model mirrors its metrics every 0.5 s
-        return results, (scrape(self.metrics_url) - before) / len(prompts)
+        return results, (lookahead_steps(self.metrics_url) - before) / len(prompts)
 
     def run(self, concurrency: int, workload: Workload, progress) -> list[Sample]:
         a, out = self.args, []

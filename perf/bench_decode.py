@@ -9,25 +9,22 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from engine import SamplingParams
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.models.presets import cached_model
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.config import EngineConfig          # noqa: E402
+from engine.engine import Engine                # noqa: E402
+from engine.models.presets import cached_model  # noqa: E402
+from perf.inprocess import greedy_run           # noqa: E402
 
 
 def pagoda_rate(model: str, dtype: str, prompt: list[int], n: int, **options) -> float:
-    engine = Engine(EngineConfig(model=model, dtype=dtype, **options))
-    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    times = []
-    engine.add(engine.make_request(prompt, params))
-    while engine.has_work:
-        for d in engine.step():
-            times += [time.perf_counter()] * len(d.token_ids)
-    return (len(times) - 1) / (times[-1] - times[0])
+    return greedy_run(Engine(EngineConfig(model=model, dtype=dtype, **options)), prompt, n)[1]
 
 
 def transformers_rate(model: str, dtype: str, prompt: list[int], n: int) -> float:

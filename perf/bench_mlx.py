@@ -17,16 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.config import EngineConfig          # noqa: E402
 from engine.engine import Engine                # noqa: E402
 from engine.models.presets import cached_model  # noqa: E402
-from engine.sampling import SamplingParams      # noqa: E402
-
-
-def pagoda(engine: Engine, prompt: list[int], n: int) -> float:
-    times: list[float] = []
-    engine.add(engine.make_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)))
-    while engine.has_work:
-        for d in engine.step():
-            times += [time.perf_counter()] * len(d.token_ids)
-    return (len(times) - 1) / (times[-1] - times[0])
+from perf.inprocess import greedy_run            # noqa: E402
 
 
 def mlx_lm_rate(model, tokenizer, prompt: list[int], n: int) -> float:
@@ -55,7 +46,7 @@ def main() -> None:
         prompt = [rng.randrange(3, 800) for _ in range(args.prompt_tokens)]
         n = 8 if i == 0 else args.max_tokens                      # the first round warms up
         rates = {"mlx-lm": mlx_lm_rate(model, tokenizer, prompt, n)}
-        rates.update({k: pagoda(e, prompt, n) for k, e in engines.items()})
+        rates.update({k: greedy_run(e, prompt, n)[1] for k, e in engines.items()})
         if i:
             for k, v in rates.items():
                 runs[k].append(v)

@@ -18,18 +18,8 @@ sys.path.insert(0, str(ROOT))
 from client.stream import stream_grpc             # noqa: E402
 from engine.config import EngineConfig            # noqa: E402
 from engine.engine import Engine                  # noqa: E402
-from engine.sampling import SamplingParams        # noqa: E402
+from perf.inprocess import greedy_run             # noqa: E402
 from scripts.tritonserver import launch           # noqa: E402
-
-
-def in_process(engine: Engine, prompt: str, max_tokens: int) -> tuple[float, float]:
-    start = time.perf_counter()
-    engine.add(engine.make_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)))
-    times: list[float] = []
-    while engine.has_work:
-        for d in engine.step():
-            times += [time.perf_counter()] * len(d.token_ids)
-    return times[0] - start, (len(times) - 1) / (times[-1] - times[0])
 
 
 def main() -> None:
@@ -57,8 +47,8 @@ def main() -> None:
     finally:
         server.stop()
     engine = Engine(EngineConfig(model=args.model, num_threads=args.num_threads))
-    in_process(engine, prompts[1], args.max_tokens)                                  # warm-up
-    local = [in_process(engine, p, args.max_tokens) for p in prompts[2 + args.repeats:]]
+    greedy_run(engine, prompts[1], args.max_tokens)                                  # warm-up
+    local = [greedy_run(engine, p, args.max_tokens) for p in prompts[2 + args.repeats:]]
     print(f"tritonserver startup to ready: {startup:.1f}s; {args.repeats} cold requests each, "
           f"{args.max_tokens} new tokens, medians (min-max)")
     for name, rows in (("triton grpc", triton), ("in-process", local)):

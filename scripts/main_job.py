@@ -37,7 +37,7 @@ def one_storage(name: str, args: argparse.Namespace, out: Path) -> dict:
         subprocess.run([sys.executable, str(ROOT / "client/stream.py"), "--url", server.grpc_url, "--prompt", prompt,
                         "--max-tokens", "32"], check=True)
         concurrency = args.concurrency if name == "paged" else "1"
-        report = bench.main(["--url", server.grpc_url, "--metrics-url", f"http://127.0.0.1:{server.metrics}/metrics",
+        report = bench.main(["--url", server.grpc_url, "--metrics-url", server.metrics_url,
                              "--concurrency", concurrency, "--prompt-tokens", str(args.prompt_tokens),
                              "--max-tokens", str(args.max_tokens), "--pairs", str(args.pairs), "--mode", "alternate",
                              "--json", str(out / f"bench_{name}.json"), "--plot", str(out / f"bench_{name}.png"),

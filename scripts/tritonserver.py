@@ -108,23 +108,9 @@ class Server:
     def http_url(self) -> str:
         return f"127.0.0.1:{self.http}"
 
-    def scrape(self) -> dict[str, float]:
-        """Metric samples by their full line name (labels included), e.g. 'pagoda_kv_blocks{...state="used"...}'."""
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=10).read().decode()
-        out = {}
-        for line in text.splitlines():
-            if line.startswith("pagoda_"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
-
-    def value(self, name: str, **labels: str) -> float:
-        total = 0.0
-        for key, v in self.scrape().items():
-            base = key.split("{")[0]
-            if base == name and all(f'{k}="{val}"' in key for k, val in labels.items()):
-                total += v
-        return total
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics}/metrics"
 
     def stop(self, timeout: float = 60) -> int:
         self.proc.terminate()

@@ -12,6 +12,7 @@ import urllib.request
 
 import pytest
 
+from client.metrics import scrape
 from client.stream import stream_openai
 from engine import LLM, SamplingParams
 from scripts.tritonserver import free_port
@@ -57,13 +58,7 @@ def post(url: str, path: str, body: dict | bytes, headers: dict | None = None) -
 
 
 def metric(url: str, name: str, **labels: str) -> float:
-    text = urllib.request.urlopen(f"http://{url}/metrics").read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        key, _, value = line.rpartition(" ")
-        if key.split("{")[0] == name and all(f'{k}="{v}"' in key for k, v in labels.items()):
-            total += float(value)
-    return total
+    return scrape(f"http://{url}/metrics", name, **labels)
 
 
 def drop_mid_stream(url: str, events: int) -> None:

@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 import tritonclient.grpc as grpcclient
 
+from client.metrics import scrape
 from client.stream import grpc_inputs, stream_grpc, stream_http
 from engine import LLM, SamplingParams
 from scripts import tritonserver as triton_server
@@ -78,11 +79,11 @@ def test_stream_matches_offline_and_reports_extras(server, tiny_dir):
     again, _ = collect(server, grpc_inputs(PROMPT, params, **flags))
     assert int(again[-1]["cached_tokens"][0]) > 0
     time.sleep(1.0)                                # the metrics mirror syncs every 0.5 s
-    assert server.value("pagoda_prompt_cache_hits_total", model="llm", version="1") >= 1
-    assert server.value("pagoda_decode_lookahead_steps_total") > 0
-    assert server.value("pagoda_kv_blocks", state="free") > 0
-    assert server.value("pagoda_kv_blocks", state="cached") > 0
-    assert server.value("pagoda_time_to_first_token_seconds_count") >= 2
+    assert scrape(server.metrics_url, "pagoda_prompt_cache_hits_total", model="llm", version="1") >= 1
+    assert scrape(server.metrics_url, "pagoda_decode_lookahead_steps_total") > 0
+    assert scrape(server.metrics_url, "pagoda_kv_blocks", state="free") > 0
+    assert scrape(server.metrics_url, "pagoda_kv_blocks", state="cached") > 0
+    assert scrape(server.metrics_url, "pagoda_time_to_first_token_seconds_count") >= 2
 
 
 def test_token_ids_input(server, tiny_dir):
@@ -135,19 +136,19 @@ def test_bad_input_is_an_error_naming_the_field(server):
 
 
 def test_cancel_mid_stream_frees_blocks(server):
-    baseline = server.value("pagoda_kv_blocks", state="used")
-    cancelled = server.value("pagoda_requests_total", status="cancelled")
+    baseline = scrape(server.metrics_url, "pagoda_kv_blocks", state="used")
+    cancelled = scrape(server.metrics_url, "pagoda_requests_total", status="cancelled")
     responses, error = collect(server, grpc_inputs(random_ids(100, seed=9), {"max_tokens": 3000, "ignore_eos": True}),
                                cancel_after=5)
     assert len(responses) == 5 and error is None
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        if server.value("pagoda_requests_total", status="cancelled") == cancelled + 1 and \
-                server.value("pagoda_kv_blocks", state="used") == baseline:
+        if scrape(server.metrics_url, "pagoda_requests_total", status="cancelled") == cancelled + 1 and \
+                scrape(server.metrics_url, "pagoda_kv_blocks", state="used") == baseline:
             break
         time.sleep(0.2)
-    assert server.value("pagoda_requests_total", status="cancelled") == cancelled + 1
-    assert server.value("pagoda_kv_blocks", state="used") == baseline
+    assert scrape(server.metrics_url, "pagoda_requests_total", status="cancelled") == cancelled + 1
+    assert scrape(server.metrics_url, "pagoda_kv_blocks", state="used") == baseline
     responses, error = collect(server, grpc_inputs(PROMPT, {"max_tokens": 4}))
     assert error is None and len(responses) == 4
 
@@ -197,7 +198,7 @@ def test_bare_config_is_auto_completed(tiny_dir, tmp_path):
 def test_hit_miss_benchmarks_against_server(server, tmp_path):
     from client import bench_serving_concurrency as bench
     from perf import perf_hit_miss
-    report = bench.main(["--url", server.grpc_url, "--metrics-url", f"http://127.0.0.1:{server.metrics}/metrics",
+    report = bench.main(["--url", server.grpc_url, "--metrics-url", server.metrics_url,
                          "--prompt-tokens", "80", "--max-tokens", "6", "--pairs", "2", "--concurrency", "1,2",
                          "--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")])
     for c in (1, 2):

@@ -1,0 +1,18 @@
+"""One greedy request through the engine in process, timed as the benchmarks time it."""
+from __future__ import annotations
+
+import time
+
+from engine.engine import Engine
+from engine.sampling import SamplingParams
+
+
+def greedy_run(engine: Engine, prompt: str | list[int], max_tokens: int) -> tuple[float, float]:
+    """(TTFT in seconds, decode tok/s = (tokens - 1) / (t_last - t_first)), EOS ignored."""
+    start = time.perf_counter()
+    engine.add(engine.make_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)))
+    times: list[float] = []
+    while engine.has_work:
+        for d in engine.step():
+            times += [time.perf_counter()] * len(d.token_ids)
+    return times[0] - start, (len(times) - 1) / (times[-1] - times[0])
