@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
@@ -23,6 +24,7 @@ from client.stream import Result, stream_grpc, stream_openai   # noqa: E402
 from client.workload import Workload                          # noqa: E402
 
 LOOKAHEAD = "pagoda_decode_lookahead_steps_total"
+DECODE_CPU = "pagoda_decode_cpu_seconds_total"
 
 
 @dataclass(slots=True)
@@ -36,22 +38,42 @@ class Sample:
     prompt_tokens: int
     cached_tokens: int
     lookahead_steps: float    # per request: the counter's delta over the group / group size
+    decode_cpu_ms: float = float("nan")   # engine-thread CPU per decoded token, over the group
     error: str | None = None
 
 
-def lookahead_steps(metrics_url: str | None) -> float:
-    return scrape(metrics_url, LOOKAHEAD) if metrics_url else float("nan")
+def counters(metrics_url: str | None) -> tuple[float, float]:
+    """The lookahead-step and decode-CPU counters; NaN without a metrics endpoint."""
+    if not metrics_url:
+        return float("nan"), float("nan")
+    return scrape(metrics_url, LOOKAHEAD), scrape(metrics_url, DECODE_CPU)
 
 
-def paired_ratio(samples: list[Sample], concurrency: int) -> float:
-    """Median over pairs of (hit decode / miss decode), each pair's mean: drift between pairs cancels."""
+def pair_ratios(samples: list[Sample], concurrency: int) -> list[float]:
+    """Per pair, hit decode / miss decode (each side's mean over the pair's group): drift between pairs cancels."""
     ratios = []
     for pair in sorted({s.pair for s in samples if s.concurrency == concurrency}):
         group = {k: [s.decode_tok_s for s in samples if s.concurrency == concurrency and s.pair == pair
                      and s.kind == k and s.error is None] for k in ("miss", "hit")}
         if group["miss"] and group["hit"]:
             ratios.append(statistics.mean(group["hit"]) / statistics.mean(group["miss"]))
+    return ratios
+
+
+def paired_ratio(samples: list[Sample], concurrency: int) -> float:
+    ratios = pair_ratios(samples, concurrency)
     return statistics.median(ratios) if ratios else float("nan")
+
+
+def bootstrap_interval(values: list[float], level: float = 0.95, resamples: int = 2000,
+                       seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the median: how far the paired ratio could move on a rerun."""
+    if len(values) < 2:
+        return float("nan"), float("nan")
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    tail = (1 - level) / 2
+    return medians[int(tail * resamples)], medians[min(resamples - 1, int((1 - tail) * resamples))]
 
 
 def summarize(samples: list[Sample]) -> dict:
@@ -70,11 +92,14 @@ def summarize(samples: list[Sample]) -> dict:
                          "decode_tok_s": [statistics.median(rate), min(rate), max(rate)],
                          "cached": statistics.median(s.cached_tokens for s in group),
                          "prompt_tokens": statistics.median(s.prompt_tokens for s in group),
-                         "lookahead_steps": statistics.median(s.lookahead_steps for s in group)}
+                         "lookahead_steps": statistics.median(s.lookahead_steps for s in group),
+                         "decode_cpu_ms": statistics.median(s.decode_cpu_ms for s in group)}
         if "miss" in row and "hit" in row:
             row["decode_ratio"] = row["hit"]["decode_tok_s"][0] / row["miss"]["decode_tok_s"][0]
             row["ttft_ratio"] = row["hit"]["ttft_ms"][0] / row["miss"]["ttft_ms"][0]
             row["paired_decode_ratio"] = paired_ratio(samples, c)
+            row["paired_decode_ci95"] = list(bootstrap_interval(pair_ratios(samples, c)))
+            row["decode_cpu_ratio"] = row["hit"]["decode_cpu_ms"] / row["miss"]["decode_cpu_ms"]
         out[c] = row
     return out
 
@@ -82,7 +107,7 @@ def summarize(samples: list[Sample]) -> dict:
 def table(summary: dict, title: str = "") -> str:
     lines = [title] if title else []
     lines.append(f"{'conc':>4} {'kind':4} {'n':>3} {'TTFT ms med (min-max)':>24} {'decode tok/s med (min-max)':>28} "
-                 f"{'cached':>9} {'lookahead/req':>13}")
+                 f"{'cached':>9} {'lookahead/req':>13} {'cpu ms/tok':>10}")
     for c, row in summary.items():
         for kind in ("miss", "hit"):
             if kind not in row:
@@ -91,10 +116,13 @@ def table(summary: dict, title: str = "") -> str:
             t, d = r["ttft_ms"], r["decode_tok_s"]
             lines.append(f"{c:>4} {kind:4} {r['n']:>3} {t[0]:9.1f} ({t[1]:6.1f}-{t[2]:6.1f}) "
                          f"{d[0]:11.1f} ({d[1]:6.1f}-{d[2]:6.1f}) "
-                         f"{int(r['cached']):>4}/{int(r['prompt_tokens']):<4} {r['lookahead_steps']:>13.0f}")
+                         f"{int(r['cached']):>4}/{int(r['prompt_tokens']):<4} {r['lookahead_steps']:>13.0f} "
+                         f"{r['decode_cpu_ms']:>10.3f}")
         if "decode_ratio" in row:
-            lines.append(f"{c:>4} hit/miss: decode {row['decode_ratio']:.3f} (paired {row['paired_decode_ratio']:.3f})"
-                         f"  TTFT {row['ttft_ratio']:.3f}")
+            lo, hi = row["paired_decode_ci95"]
+            lines.append(f"{c:>4} hit/miss: decode {row['decode_ratio']:.3f} (paired {row['paired_decode_ratio']:.3f},"
+                         f" 95% CI {lo:.3f}-{hi:.3f})  TTFT {row['ttft_ratio']:.3f}"
+                         f"  decode CPU per token {row['decode_cpu_ratio']:.3f}")
     return "\n".join(lines)
 
 
@@ -128,13 +156,16 @@ class Bench:
                                                 else f"http://{args.url}/metrics")
         self.params = {"max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
 
-    def group(self, prompts: list[list[int]]) -> tuple[list[Result], float]:
-        """Run prompts concurrently; returns the results and the lookahead counter's delta per request."""
-        before = lookahead_steps(self.metrics_url)
+    def group(self, prompts: list[list[int]]) -> tuple[list[Result], float, float]:
+        """Run prompts concurrently; returns the results, the lookahead counter's delta per request and the
+        engine's decode CPU per decoded token (ms) over the group."""
+        steps0, cpu0 = counters(self.metrics_url)
         with ThreadPoolExecutor(len(prompts)) as pool:
             results = list(pool.map(lambda p: self.stream(self.args.url, self.args.model, p, self.params), prompts))
         time.sleep(0.6)                 # the Triton model mirrors its metrics every 0.5 s
-        return results, (lookahead_steps(self.metrics_url) - before) / len(prompts)
+        steps1, cpu1 = counters(self.metrics_url)
+        decoded = sum(max(0, len(r.ids) - 1) for r in results)
+        return results, (steps1 - steps0) / len(prompts), 1000 * (cpu1 - cpu0) / max(1, decoded)
 
     def run(self, concurrency: int, workload: Workload, progress) -> list[Sample]:
         a, out = self.args, []
@@ -145,10 +176,10 @@ class Bench:
                 if kind == "hit" and a.mode == "hit":
                     self.group(misses)             # prime the prefix; not a sample
                 prompts = misses if kind == "miss" else [workload.hit(m) for m in misses]
-                results, steps = self.group(prompts)
+                results, steps, cpu = self.group(prompts)
                 if pair >= a.warmup:
                     out += [Sample(concurrency, pair - a.warmup, kind, r.ttft, r.decode_rate, len(r.ids),
-                                   len(p), r.cached_tokens, steps, r.error) for r, p in zip(results, prompts)]
+                                   len(p), r.cached_tokens, steps, cpu, r.error) for r, p in zip(results, prompts)]
                 progress.update(len(prompts))
                 time.sleep(a.cooldown)
         return out

@@ -175,12 +175,17 @@ class Engine:
                 self._append(req, token)
 
     def _decode(self) -> None:
+        started = time.thread_time()
         batch = self._reserve()
         if batch:
             self.metrics.decode_steps.inc()
         before = self.lookahead.pipelined
         results = self.lookahead.tick(batch, self._decode_row)
         self.metrics.lookahead_steps.inc(self.lookahead.pipelined - before)
+        cpu = time.thread_time() - started
+        self.metrics.decode_cpu.inc(cpu)
+        for req in batch:
+            req.decode_cpu += cpu / len(batch)
         for req, token in results:
             self._commit(req, token)
 
@@ -282,14 +287,15 @@ class Engine:
         now = time.monotonic()
         self.metrics.requests.labels(status=_STATUS[reason]).inc()
         self.metrics.observe("pagoda_e2e_request_latency_seconds", now - req.arrival)
-        decode = 0.0
+        decode, cpu = 0.0, 1000 * req.decode_cpu / max(1, len(req.output_ids) - 1)
         if len(req.output_ids) > 1 and req.last_token_at > req.first_token_at:
             per_token = (req.last_token_at - req.first_token_at) / (len(req.output_ids) - 1)
             self.metrics.observe("pagoda_time_per_output_token_seconds", per_token)
             decode = 1.0 / per_token
         ttft = (req.first_token_at - req.arrival) * 1000 if req.first_token_at else 0.0
-        log.info("prompt-cache: request completed cached=%d/%d id=%d output=%d reason=%s ttft=%.1fms decode=%.1ftok/s",
-                 max(req.num_cached, 0), len(req.prompt_ids), req.id, len(req.output_ids), reason, ttft, decode)
+        log.info("prompt-cache: request completed cached=%d/%d id=%d output=%d reason=%s ttft=%.1fms decode=%.1ftok/s "
+                 "decode_cpu=%.2fms/tok",
+                 max(req.num_cached, 0), len(req.prompt_ids), req.id, len(req.output_ids), reason, ttft, decode, cpu)
         self._gauges()          # before the final delta goes out: a front end may read the gauges on it
         self._emit(req, final=True)
 

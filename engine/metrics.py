@@ -29,6 +29,9 @@ class Metrics:
         self.lookahead_steps = Counter("pagoda_decode_lookahead_steps",
                                        "Decode ticks that launched a step while the previous was in flight",
                                        registry=r)
+        self.decode_cpu = Counter("pagoda_decode_cpu_seconds",
+                                  "CPU time of the engine thread in decode ticks (host work; on CPU also the "
+                                  "model's when torch runs on one thread)", registry=r)
         self.unwinds = Counter("pagoda_lookahead_unwinds", "Speculative positions unwound", registry=r)
         self.preemptions = Counter("pagoda_preemptions", "Requests sent back to the queue for recompute",
                                    registry=r)

@@ -40,6 +40,7 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float = 0.0
     last_token_at: float = 0.0
+    decode_cpu: float = 0.0               # engine-thread CPU seconds of the decode ticks it rode in, its share
 
     @property
     def all_ids(self) -> list[int]:

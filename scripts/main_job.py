@@ -53,20 +53,22 @@ def one_storage(name: str, args: argparse.Namespace, out: Path) -> dict:
 
 def summary_table(results: dict) -> str:
     lines = [f"{'storage':8} {'source':14} {'TTFT miss ms':>12} {'TTFT hit ms':>11} {'TTFT h/m':>8} "
-             f"{'decode miss tok/s':>22} {'decode hit tok/s':>22} {'h/m':>6} {'paired':>6} {'cached':>9} {'la/req':>6}"]
+             f"{'decode miss tok/s':>22} {'decode hit tok/s':>22} {'h/m':>6} {'paired (95% CI)':>21} {'cached':>9} {'la/req':>6} {'cpu ms/tok m/h':>14}"]
     for name, r in results.items():
         row = r["bench"][1]
         m, h = row["miss"], row["hit"]
+        lo, hi = row["paired_decode_ci95"]
         lines.append(f"{name:8} {'bench c=1':14} {m['ttft_ms'][0]:12.1f} {h['ttft_ms'][0]:11.1f} {row['ttft_ratio']:8.3f} "
                      f"{m['decode_tok_s'][0]:7.1f} ({m['decode_tok_s'][1]:5.1f}-{m['decode_tok_s'][2]:5.1f}) "
                      f"{h['decode_tok_s'][0]:7.1f} ({h['decode_tok_s'][1]:5.1f}-{h['decode_tok_s'][2]:5.1f}) "
-                     f"{row['decode_ratio']:6.3f} {row['paired_decode_ratio']:6.3f} "
-                     f"{int(h['cached']):>4}/{int(h['prompt_tokens']):<4} {h['lookahead_steps']:6.0f}")
+                     f"{row['decode_ratio']:6.3f} {row['paired_decode_ratio']:6.3f} ({lo:.3f}-{hi:.3f}) "
+                     f"{int(h['cached']):>4}/{int(h['prompt_tokens']):<4} {h['lookahead_steps']:6.0f} "
+                     f"{m['decode_cpu_ms']:6.3f}/{h['decode_cpu_ms']:.3f}")
         pa = r["perf_analyzer"]
         lines.append(f"{name:8} {'perf_analyzer':14} {pa['miss_ttft_ms'][0]:12.1f} {pa['hit_ttft_ms'][0]:11.1f} "
                      f"{pa['ttft_ratio']:8.3f} {pa['miss_decode_tok_s'][0]:7.1f} ({pa['miss_decode_tok_s'][1]:5.1f}-"
                      f"{pa['miss_decode_tok_s'][2]:5.1f}) {pa['hit_decode_tok_s'][0]:7.1f} ({pa['hit_decode_tok_s'][1]:5.1f}-"
-                     f"{pa['hit_decode_tok_s'][2]:5.1f}) {pa['decode_ratio']:6.3f} {'':>6} {'':>9} {'':>6}")
+                     f"{pa['hit_decode_tok_s'][2]:5.1f}) {pa['decode_ratio']:6.3f} {'':>21} {'':>9} {'':>6}")
     return "\n".join(lines)
 
 
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--prompt-tokens", type=int, default=471)
     ap.add_argument("--max-tokens", type=int, default=192)
-    ap.add_argument("--pairs", type=int, default=7)
+    ap.add_argument("--pairs", type=int, default=12)
     ap.add_argument("--concurrency", default="1,2", help="levels for paged storage (dense runs at 1)")
     ap.add_argument("--perf-requests", type=int, default=8)
     ap.add_argument("--num-threads", type=int, default=1, help="torch threads in the server: 1 leaves a core "

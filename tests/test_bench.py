@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from client.bench_serving_concurrency import Sample, paired_ratio, summarize, table
+from client.bench_serving_concurrency import Sample, bootstrap_interval, paired_ratio, summarize, table
 from client.stream import Result, _apply
 from client.workload import NONCE, Workload
 from perf import compare
@@ -24,13 +24,13 @@ def test_decode_rate_uses_token_arrival_times():
     assert math.isnan(Result(start=0.0, token_times=[1.0]).decode_rate)
 
 
-def sample(kind: str, pair: int, rate: float, ttft: float, c: int = 1) -> Sample:
-    return Sample(c, pair, kind, ttft, rate, 100, 471, 448 if kind == "hit" else 0, 98.0)
+def sample(kind: str, pair: int, rate: float, ttft: float, c: int = 1, cpu: float = 5.0) -> Sample:
+    return Sample(c, pair, kind, ttft, rate, 100, 471, 448 if kind == "hit" else 0, 98.0, cpu)
 
 
 def test_summary_medians_ranges_and_ratios():
-    samples = [sample("miss", 0, 100, 0.2), sample("hit", 0, 99, 0.02), sample("miss", 1, 110, 0.3),
-               sample("hit", 1, 112, 0.03), sample("miss", 2, 90, 0.25), sample("hit", 2, 90, 0.025)]
+    samples = [sample("miss", 0, 100, 0.2), sample("hit", 0, 99, 0.02, cpu=4.8), sample("miss", 1, 110, 0.3),
+               sample("hit", 1, 112, 0.03, cpu=4.9), sample("miss", 2, 90, 0.25), sample("hit", 2, 90, 0.025)]
     s = summarize(samples)[1]
     assert s["miss"]["decode_tok_s"] == [100, 90, 110]
     assert s["hit"]["ttft_ms"] == pytest.approx([25, 20, 30])
@@ -38,6 +38,7 @@ def test_summary_medians_ranges_and_ratios():
     assert s["ttft_ratio"] == pytest.approx(25 / 250)
     assert s["paired_decode_ratio"] == pytest.approx(sorted([0.99, 112 / 110, 1.0])[1])
     assert s["hit"]["cached"] == 448 and s["hit"]["prompt_tokens"] == 471
+    assert s["decode_cpu_ratio"] == pytest.approx(4.9 / 5.0)
     assert "448/471" in table({1: s})
 
 
@@ -45,6 +46,15 @@ def test_paired_ratio_averages_within_a_pair():
     samples = [sample("miss", 0, 100, 0.1, c=2), sample("miss", 0, 200, 0.1, c=2),
                sample("hit", 0, 150, 0.1, c=2), sample("hit", 0, 150, 0.1, c=2)]
     assert paired_ratio(samples, 2) == pytest.approx(1.0)
+
+
+def test_bootstrap_interval_brackets_the_median_and_shrinks_with_agreement():
+    spread = [0.9, 0.95, 1.0, 1.02, 1.05, 1.1, 0.97, 1.01]
+    lo, hi = bootstrap_interval(spread)
+    assert min(spread) <= lo <= sorted(spread)[4] and sorted(spread)[3] <= hi <= max(spread)
+    assert hi - lo < max(spread) - min(spread)
+    assert bootstrap_interval([1.0] * 8) == (1.0, 1.0)
+    assert all(math.isnan(v) for v in bootstrap_interval([1.0]))
 
 
 def test_miss_prompts_never_share_a_block_and_hits_share_the_intended_prefix():

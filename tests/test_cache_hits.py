@@ -1,6 +1,8 @@
 """Adoption arithmetic: paged adopts whole blocks, dense adopts the common prefix; only the rest is prefilled."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from engine import LLM, SamplingParams
@@ -68,3 +70,9 @@ def test_hit_metrics_and_log(tiny_dir, caplog):
     assert m.value("pagoda_prompt_cache_hits_total") == 1
     assert m.value("pagoda_prompt_cache_cached_tokens_total") == 96
     assert m.value("pagoda_requests_total", status="completed") == 2
+    # decode CPU: each line's per-token figure times its decoded tokens sums to the counter
+    per_token = [float(re.search(r"decode_cpu=([\d.]+)ms/tok", line)[1]) for line in lines]
+    outputs = [int(re.search(r"output=(\d+)", line)[1]) for line in lines]
+    total = m.value("pagoda_decode_cpu_seconds_total")
+    assert total > 0 and all(v > 0 for v in per_token)
+    assert sum(v * (n - 1) for v, n in zip(per_token, outputs)) / 1000 == pytest.approx(total, rel=0.05, abs=2e-4)
