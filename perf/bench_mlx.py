@@ -1,7 +1,7 @@
 """MLX runner decode tok/s next to mlx-lm's generate on the same checkpoint, and lookahead vs synchronous decode
 (PAGODA_FORCE_SYNC), in one run, interleaved. Greedy; decode rate = (tokens - 1) / (t_last - t_first).
 
-    python perf/bench_mlx.py [--preset small] [--max-tokens 128] [--repeats 3]
+    python perf/bench_mlx.py [--preset small] [--kv-storage paged|dense] [--max-tokens 128] [--repeats 3]
 """
 from __future__ import annotations
 
@@ -34,12 +34,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--kv-storage", default="paged", choices=["paged", "dense"])
     args = ap.parse_args()
     from mlx_lm import load
     path = str(cached_model(args.preset))
     model, tokenizer = load(path)
-    engines = {"pagoda mlx lookahead": Engine(EngineConfig(model=path, runner="mlx", lookahead=True)),
-               "pagoda mlx sync": Engine(EngineConfig(model=path, runner="mlx", lookahead=False))}
+    engines = {f"pagoda mlx {name}": Engine(EngineConfig(model=path, runner="mlx", lookahead=name == "lookahead",
+                                                          kv_storage=args.kv_storage))
+               for name in ("lookahead", "sync")}
     rng = random.Random(0)
     runs: dict[str, list[float]] = {"mlx-lm": [], **{k: [] for k in engines}}
     for i in range(args.repeats + 1):
@@ -50,14 +52,13 @@ def main() -> None:
         if i:
             for k, v in rates.items():
                 runs[k].append(v)
-    base = statistics.median(runs["mlx-lm"])
-    sync = statistics.median(runs["pagoda mlx sync"])
-    print(f"preset {args.preset}, {args.max_tokens} new tokens, {args.repeats} interleaved repeats, medians")
+    print(f"preset {args.preset}, {args.kv_storage} KV, {args.max_tokens} new tokens, {args.repeats} interleaved repeats; medians, and "
+          f"the median of per-repeat ratios (paired: drift between repeats cancels)")
     for name, rates in runs.items():
-        med = statistics.median(rates)
-        print(f"{name:22} {med:8.1f} tok/s ({min(rates):.1f}-{max(rates):.1f})  x mlx-lm {med / base:.2f}  "
-              f"x sync {med / sync:.2f}")
-
+        vs_lm = statistics.median(a / b for a, b in zip(rates, runs["mlx-lm"]))
+        vs_sync = statistics.median(a / b for a, b in zip(rates, runs["pagoda mlx sync"]))
+        print(f"{name:22} {statistics.median(rates):8.1f} tok/s ({min(rates):.1f}-{max(rates):.1f})  "
+              f"x mlx-lm {vs_lm:.2f}  x sync {vs_sync:.2f}")
 
 if __name__ == "__main__":
     main()

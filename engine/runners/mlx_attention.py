@@ -18,25 +18,22 @@ def _sdpa(q: mx.array, k: mx.array, v: mx.array, start: int, scale: float) -> mx
     return out[0].transpose(1, 0, 2)
 
 
-
 def paged(k_cache: list[mx.array], v_cache: list[mx.array], block_size: int, rows: list[Row], scale: float):
     """k_cache[layer] is [num_blocks * block_size, nkv, hd]: a block is a run of block_size slots."""
     slots = mx.array([s for r in rows for s in r.slots])
-    parts = spans(rows)
-    tables = [mx.array(r.block_table) for r in rows]
+    reads = []
+    for (o, n, start), r in zip(spans(rows), rows):
+        ctx = start + n
+        table = mx.array(r.block_table[:-(-ctx // block_size)])
+        # the slots of positions [0, ctx): one gather per layer reads this row's context
+        index = (table[:, None] * block_size + mx.arange(block_size)[None, :]).reshape(-1)[:ctx]
+        reads.append((o, n, start, index))
 
     def attend(layer: int, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
         kc, vc = k_cache[layer], v_cache[layer]
         kc[slots] = k                  # scatter of the new positions only
         vc[slots] = v
-        nb = kc.shape[0] // block_size
-        outs = []
-        for (o, n, start), table in zip(parts, tables):
-            ctx = start + n
-            blocks = table[:-(-ctx // block_size)]
-            kr = kc.reshape(nb, block_size, *kc.shape[1:])[blocks].reshape(-1, *kc.shape[1:])[:ctx]
-            vr = vc.reshape(nb, block_size, *vc.shape[1:])[blocks].reshape(-1, *vc.shape[1:])[:ctx]
-            outs.append(_sdpa(q[o:o + n], kr, vr, start, scale))
+        outs = [_sdpa(q[o:o + n], kc[index], vc[index], start, scale) for o, n, start, index in reads]
         return outs[0] if len(outs) == 1 else mx.concatenate(outs)
     return attend
 
