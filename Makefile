@@ -14,7 +14,7 @@ TRITON_ARGS ?=
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,triton,bench,server,mlx]'
+	$(PY) -m pip install -q -e '.[test,triton,bench,server,mlx,kernels]'
 	bash scripts/system_deps.sh $(PY)
 	touch $(STAMP)
 

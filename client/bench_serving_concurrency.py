@@ -23,8 +23,8 @@ from client.metrics import scrape                            # noqa: E402
 from client.stream import Result, stream_grpc, stream_openai   # noqa: E402
 from client.workload import Workload                          # noqa: E402
 
-LOOKAHEAD = "pagoda_decode_lookahead_steps_total"
-DECODE_CPU = "pagoda_decode_cpu_seconds_total"
+COUNTERS = ("pagoda_decode_lookahead_steps_total", "pagoda_decode_cpu_seconds_total",
+            "pagoda_block_table_pairs_total", "pagoda_block_table_consecutive_pairs_total")
 
 
 @dataclass(slots=True)
@@ -39,14 +39,13 @@ class Sample:
     cached_tokens: int
     lookahead_steps: float    # per request: the counter's delta over the group / group size
     decode_cpu_ms: float = float("nan")   # engine-thread CPU per decoded token, over the group
+    contiguity: float = float("nan")      # consecutive fraction of the group's block tables (paged)
     error: str | None = None
 
 
-def counters(metrics_url: str | None) -> tuple[float, float]:
-    """The lookahead-step and decode-CPU counters; NaN without a metrics endpoint."""
-    if not metrics_url:
-        return float("nan"), float("nan")
-    return scrape(metrics_url, LOOKAHEAD), scrape(metrics_url, DECODE_CPU)
+def counters(metrics_url: str | None) -> list[float]:
+    """The server's COUNTERS; NaN without a metrics endpoint."""
+    return [scrape(metrics_url, name) if metrics_url else float("nan") for name in COUNTERS]
 
 
 def pair_ratios(samples: list[Sample], concurrency: int) -> list[float]:
@@ -93,7 +92,8 @@ def summarize(samples: list[Sample]) -> dict:
                          "cached": statistics.median(s.cached_tokens for s in group),
                          "prompt_tokens": statistics.median(s.prompt_tokens for s in group),
                          "lookahead_steps": statistics.median(s.lookahead_steps for s in group),
-                         "decode_cpu_ms": statistics.median(s.decode_cpu_ms for s in group)}
+                         "decode_cpu_ms": statistics.median(s.decode_cpu_ms for s in group),
+                         "contiguity": statistics.median(s.contiguity for s in group)}
         if "miss" in row and "hit" in row:
             row["decode_ratio"] = row["hit"]["decode_tok_s"][0] / row["miss"]["decode_tok_s"][0]
             row["ttft_ratio"] = row["hit"]["ttft_ms"][0] / row["miss"]["ttft_ms"][0]
@@ -107,7 +107,7 @@ def summarize(samples: list[Sample]) -> dict:
 def table(summary: dict, title: str = "") -> str:
     lines = [title] if title else []
     lines.append(f"{'conc':>4} {'kind':4} {'n':>3} {'TTFT ms med (min-max)':>24} {'decode tok/s med (min-max)':>28} "
-                 f"{'cached':>9} {'lookahead/req':>13} {'cpu ms/tok':>10}")
+                 f"{'cached':>9} {'lookahead/req':>13} {'cpu ms/tok':>10} {'contiguity':>10}")
     for c, row in summary.items():
         for kind in ("miss", "hit"):
             if kind not in row:
@@ -117,7 +117,7 @@ def table(summary: dict, title: str = "") -> str:
             lines.append(f"{c:>4} {kind:4} {r['n']:>3} {t[0]:9.1f} ({t[1]:6.1f}-{t[2]:6.1f}) "
                          f"{d[0]:11.1f} ({d[1]:6.1f}-{d[2]:6.1f}) "
                          f"{int(r['cached']):>4}/{int(r['prompt_tokens']):<4} {r['lookahead_steps']:>13.0f} "
-                         f"{r['decode_cpu_ms']:>10.3f}")
+                         f"{r['decode_cpu_ms']:>10.3f} {r['contiguity']:>10.3f}")
         if "decode_ratio" in row:
             lo, hi = row["paired_decode_ci95"]
             lines.append(f"{c:>4} hit/miss: decode {row['decode_ratio']:.3f} (paired {row['paired_decode_ratio']:.3f},"
@@ -156,16 +156,17 @@ class Bench:
                                                 else f"http://{args.url}/metrics")
         self.params = {"max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
 
-    def group(self, prompts: list[list[int]]) -> tuple[list[Result], float, float]:
-        """Run prompts concurrently; returns the results, the lookahead counter's delta per request and the
-        engine's decode CPU per decoded token (ms) over the group."""
-        steps0, cpu0 = counters(self.metrics_url)
+    def group(self, prompts: list[list[int]]) -> tuple[list[Result], float, float, float]:
+        """Run prompts concurrently; returns the results, the lookahead counter's delta per request, the engine's
+        decode CPU per decoded token (ms) and the block-table contiguity of the group."""
+        before = counters(self.metrics_url)
         with ThreadPoolExecutor(len(prompts)) as pool:
             results = list(pool.map(lambda p: self.stream(self.args.url, self.args.model, p, self.params), prompts))
         time.sleep(0.6)                 # the Triton model mirrors its metrics every 0.5 s
-        steps1, cpu1 = counters(self.metrics_url)
+        steps, cpu, pairs, consecutive = (a - b for a, b in zip(counters(self.metrics_url), before))
         decoded = sum(max(0, len(r.ids) - 1) for r in results)
-        return results, (steps1 - steps0) / len(prompts), 1000 * (cpu1 - cpu0) / max(1, decoded)
+        return (results, steps / len(prompts), 1000 * cpu / max(1, decoded),
+                consecutive / pairs if pairs else float("nan"))
 
     def run(self, concurrency: int, workload: Workload, progress) -> list[Sample]:
         a, out = self.args, []
@@ -176,10 +177,10 @@ class Bench:
                 if kind == "hit" and a.mode == "hit":
                     self.group(misses)             # prime the prefix; not a sample
                 prompts = misses if kind == "miss" else [workload.hit(m) for m in misses]
-                results, steps, cpu = self.group(prompts)
+                results, steps, cpu, contiguity = self.group(prompts)
                 if pair >= a.warmup:
-                    out += [Sample(concurrency, pair - a.warmup, kind, r.ttft, r.decode_rate, len(r.ids),
-                                   len(p), r.cached_tokens, steps, cpu, r.error) for r, p in zip(results, prompts)]
+                    out += [Sample(concurrency, pair - a.warmup, kind, r.ttft, r.decode_rate, len(r.ids), len(p),
+                                   r.cached_tokens, steps, cpu, contiguity, r.error) for r, p in zip(results, prompts)]
                 progress.update(len(prompts))
                 time.sleep(a.cooldown)
         return out

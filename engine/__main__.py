@@ -25,6 +25,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk)
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument("--num-threads", type=int, default=d.num_threads)
+    p.add_argument("--attention", default=d.attention, choices=["auto", "triton", "reference"])
+    p.add_argument("--contiguous-blocks", type=_bool, default=d.contiguous_blocks)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -32,7 +34,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_batch_size=args.max_batch_size, kv_storage=args.kv_storage, block_size=args.block_size,
                         num_kv_blocks=args.num_kv_blocks, prompt_cache=args.prompt_cache, lookahead=args.lookahead,
                         prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
-                        num_threads=args.num_threads)
+                        num_threads=args.num_threads, attention=args.attention,
+                        contiguous_blocks=args.contiguous_blocks)
 
 
 def _bool(text: str) -> bool:

@@ -15,6 +15,7 @@ class EngineConfig:
     max_batch_size: int = 4
     kv_storage: str = "auto"          # auto | paged | dense
     block_size: int = 32
+    contiguous_blocks: bool = True    # keep a sequence's blocks consecutive where free (False: release order)
     num_kv_blocks: int = 0            # 0: derived from kv_cache_bytes and max_model_len
     kv_cache_bytes: int = 1 << 30
     prompt_cache: bool = True
@@ -25,6 +26,7 @@ class EngineConfig:
     max_model_len: int = 0            # 0: the checkpoint's max_position_embeddings
     seed: int = 0                     # seed of the embedded default model
     num_threads: int = 0              # CPU threads for the model's ops; 0: the framework's default
+    attention: str = "auto"           # torch runner's KV ops: auto (triton on CUDA, else reference) | triton | reference
 
     def __post_init__(self) -> None:
         self.validate()
@@ -32,7 +34,7 @@ class EngineConfig:
     def validate(self) -> None:
         choices = {"runner": ("torch", "mlx"), "device": ("auto", "cpu", "cuda"),
                    "dtype": ("auto", "float32", "bfloat16", "float16"),
-                   "kv_storage": ("auto", "paged", "dense")}
+                   "kv_storage": ("auto", "paged", "dense"), "attention": ("auto", "triton", "reference")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")

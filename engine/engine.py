@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from engine.config import EngineConfig
 from engine.kv.block_pool import BlockPool
 from engine.kv.dense import DenseKV
-from engine.kv.paged import PagedKV, cdiv
+from engine.kv.paged import PagedKV, contiguity, cdiv
 from engine.lookahead import Lookahead
 from engine.metrics import Metrics
 from engine.prompt_cache import PrefixCache
@@ -53,7 +53,7 @@ class Engine:
         if config.paged:
             num_blocks = config.num_kv_blocks or self._auto_blocks()
             runner.init_paged(num_blocks, config.block_size)
-            self.pool = BlockPool(num_blocks, config.block_size)
+            self.pool = BlockPool(num_blocks, config.block_size, config.contiguous_blocks)
             self.kv: PagedKV | DenseKV = PagedKV(self.pool, PrefixCache(self.pool) if config.prompt_cache else None)
         else:
             store = config.prompt_cache_bytes if config.prompt_cache else None
@@ -280,6 +280,10 @@ class Engine:
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         if self.lookahead.unwind(req, self.kv.trim):
             self.metrics.unwinds.inc()
+        if self.pool is not None:
+            pairs, consecutive = contiguity(req.block_table)
+            self.metrics.table_pairs.inc(pairs)
+            self.metrics.table_consecutive.inc(consecutive)
         self.scheduler.remove(req)
         self.runner.release(req.id)
         req.status, req.finish_reason, req.error = Status.FINISHED, reason, error
@@ -302,5 +306,8 @@ class Engine:
     def _gauges(self) -> None:
         for state, n in self.kv.stats().items():
             self.metrics.kv_blocks.labels(state=state).set(n)
+        pairs = self.metrics.value("pagoda_block_table_pairs_total")
+        if pairs:
+            self.metrics.contiguity.set(self.metrics.value("pagoda_block_table_consecutive_pairs_total") / pairs)
         self.metrics.batch_size.set(len(self.scheduler.running))
         self.metrics.queue_depth.set(len(self.scheduler.waiting))

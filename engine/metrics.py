@@ -36,6 +36,13 @@ class Metrics:
         self.preemptions = Counter("pagoda_preemptions", "Requests sent back to the queue for recompute",
                                    registry=r)
         self.kv_blocks = Gauge("pagoda_kv_blocks", "KV blocks (dense: buffers) by state", ["state"], registry=r)
+        self.table_pairs = Counter("pagoda_block_table_pairs", "Adjacent block-table entries of finished "
+                                   "requests (paged)", registry=r)
+        self.table_consecutive = Counter("pagoda_block_table_consecutive_pairs", "Of those, pairs whose block "
+                                         "ids are consecutive", registry=r)
+        self.contiguity = Gauge("pagoda_block_table_contiguity", "Fraction of adjacent block-table entries that "
+                                "are consecutive ids, over finished requests (paged; 1 before any)", registry=r)
+        self.contiguity.set(1.0)
         self.batch_size = Gauge("pagoda_batch_size", "Requests running", registry=r)
         self.queue_depth = Gauge("pagoda_queue_depth", "Requests waiting", registry=r)
         self.buckets = {"pagoda_time_to_first_token_seconds": LATENCY,

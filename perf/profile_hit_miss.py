@@ -1,14 +1,16 @@
 """In process, no server or client: per decode step, where the time goes after a prompt-cache miss vs a hit.
 
     python perf/profile_hit_miss.py [--storage paged|dense] [--pairs 12] [--max-tokens 96] [--threads 1]
+        [--preset qwen2.5-0.5b --dtype bfloat16 --device cuda] [--json OUT]
 For each alternating MISS/HIT pair it records every decode tick's wall time, the engine thread's CPU time (which
 excludes time the VM or other processes took from it), and the time spent in the KV write and the attention op,
 then prints medians per kind: if the two paths did different work per step, it shows here,
-free of the serving stack's noise.
+free of the serving stack's noise. On CUDA the op columns are launch times (the tick waits for the step).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -62,11 +64,20 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--pairs", type=int, default=12)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--preset", default=None, help="a preset made and cached on first use, e.g. qwen2.5-0.5b")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--attention", default="auto", choices=["auto", "triton", "reference"])
+    ap.add_argument("--json", default=None)
     args = ap.parse_args()
     for name in SPENT:
         timed(name)
+    if args.preset:
+        from engine.models.presets import cached_model
+        args.model = str(cached_model(args.preset))
     engine = Engine(EngineConfig(model=args.model, kv_storage=args.storage, num_threads=args.threads,
-                                 max_batch_size=4 if args.storage == "paged" else 1))
+                                 max_batch_size=4 if args.storage == "paged" else 1, dtype=args.dtype,
+                                 device=args.device, attention=args.attention))
     w = Workload(args.prompt_tokens, seed=0)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     rows: dict[str, list[dict]] = {"miss": [], "hit": []}
@@ -76,15 +87,21 @@ def main() -> None:
         if pair:                                   # the first pair warms up
             rows["miss"].append(m)
             rows["hit"].append(h)
-    print(f"{args.storage}: {args.pairs} pairs, {args.prompt_tokens}-token prompts, {args.max_tokens} new tokens; "
+    ops = getattr(engine.runner, "ops", None)
+    print(f"{args.storage} on {getattr(engine.runner, 'device', 'cpu')}, attention {ops.name if ops else '-'}: "
+          f"{args.pairs} pairs, {args.prompt_tokens}-token prompts, {args.max_tokens} new tokens; "
           f"medians over pairs of per-request median decode tick (ms)")
+    summary: dict = {"args": vars(args)}
     for kind, rs in rows.items():
-        med = {k: statistics.median(r[k] for r in rs) for k in ("tick", "cpu", "write", "attention", "cached")}
+        med = summary[kind] = {k: statistics.median(r[k] for r in rs)
+                               for k in ("tick", "cpu", "write", "attention", "cached")}
         print(f"{kind:4} tick {med['tick']:.3f}  thread cpu {med['cpu']:.3f}  kv write {med['write']:.3f}  "
               f"attention {med['attention']:.3f}  cached {med['cached']:.0f}")
     for key in ("tick", "cpu"):
-        ratio = statistics.median(h[key] / m[key] for m, h in zip(rows["miss"], rows["hit"]))
+        ratio = summary[f"{key}_ratio"] = statistics.median(h[key] / m[key] for m, h in zip(rows["miss"], rows["hit"]))
         print(f"hit/miss {key} time, median of pairs: {ratio:.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

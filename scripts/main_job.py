@@ -53,7 +53,7 @@ def one_storage(name: str, args: argparse.Namespace, out: Path) -> dict:
 
 def summary_table(results: dict) -> str:
     lines = [f"{'storage':8} {'source':14} {'TTFT miss ms':>12} {'TTFT hit ms':>11} {'TTFT h/m':>8} "
-             f"{'decode miss tok/s':>22} {'decode hit tok/s':>22} {'h/m':>6} {'paired (95% CI)':>21} {'cached':>9} {'la/req':>6} {'cpu ms/tok m/h':>14}"]
+             f"{'decode miss tok/s':>22} {'decode hit tok/s':>22} {'h/m':>6} {'paired (95% CI)':>21} {'cached':>9} {'la/req':>6} {'cpu ms/tok m/h':>14} {'contig m/h':>11}"]
     for name, r in results.items():
         row = r["bench"][1]
         m, h = row["miss"], row["hit"]
@@ -63,7 +63,8 @@ def summary_table(results: dict) -> str:
                      f"{h['decode_tok_s'][0]:7.1f} ({h['decode_tok_s'][1]:5.1f}-{h['decode_tok_s'][2]:5.1f}) "
                      f"{row['decode_ratio']:6.3f} {row['paired_decode_ratio']:6.3f} ({lo:.3f}-{hi:.3f}) "
                      f"{int(h['cached']):>4}/{int(h['prompt_tokens']):<4} {h['lookahead_steps']:6.0f} "
-                     f"{m['decode_cpu_ms']:6.3f}/{h['decode_cpu_ms']:.3f}")
+                     f"{m['decode_cpu_ms']:6.3f}/{h['decode_cpu_ms']:.3f} "
+                     f"{m['contiguity']:5.2f}/{h['contiguity']:.2f}")
         pa = r["perf_analyzer"]
         lines.append(f"{name:8} {'perf_analyzer':14} {pa['miss_ttft_ms'][0]:12.1f} {pa['hit_ttft_ms'][0]:11.1f} "
                      f"{pa['ttft_ratio']:8.3f} {pa['miss_decode_tok_s'][0]:7.1f} ({pa['miss_decode_tok_s'][1]:5.1f}-"

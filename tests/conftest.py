@@ -1,8 +1,14 @@
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU tensors through the interpreter; it must be set before they are defined.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from engine.models.presets import make_model
 

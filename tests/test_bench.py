@@ -25,7 +25,8 @@ def test_decode_rate_uses_token_arrival_times():
 
 
 def sample(kind: str, pair: int, rate: float, ttft: float, c: int = 1, cpu: float = 5.0) -> Sample:
-    return Sample(c, pair, kind, ttft, rate, 100, 471, 448 if kind == "hit" else 0, 98.0, cpu)
+    return Sample(c, pair, kind, ttft, rate, 100, 471, 448 if kind == "hit" else 0, 98.0, cpu,
+                  0.95 if kind == "hit" else 1.0)
 
 
 def test_summary_medians_ranges_and_ratios():
@@ -39,6 +40,7 @@ def test_summary_medians_ranges_and_ratios():
     assert s["paired_decode_ratio"] == pytest.approx(sorted([0.99, 112 / 110, 1.0])[1])
     assert s["hit"]["cached"] == 448 and s["hit"]["prompt_tokens"] == 471
     assert s["decode_cpu_ratio"] == pytest.approx(4.9 / 5.0)
+    assert s["hit"]["contiguity"] == pytest.approx(0.95) and "0.950" in table({1: s})
     assert "448/471" in table({1: s})
 
 

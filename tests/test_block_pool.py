@@ -64,3 +64,49 @@ def test_dense_store_longest_prefix_and_byte_bound():
     assert freed == [1] and store.bytes == 80
     store.donate(5, [7], 500)                # larger than the whole store: freed at once
     assert freed == [1, 5]
+
+
+def test_new_tables_start_at_the_lowest_run_with_headroom_held():
+    pool = BlockPool(16, block_size=4)
+    a = pool.allocate_run(3, headroom=2)
+    assert a == [0, 1, 2] and pool.num_free == 13      # 3, 4 are held for a, still counted free
+    b = pool.allocate_run(2, headroom=1)
+    assert b == [5, 6]                                  # skips a's headroom
+    assert pool.allocate_run(2, after=a[-1]) == [3, 4]  # a grows into its headroom
+    assert pool.allocate(after=4) == 8                  # 5 is b's: the lowest free block (7 is b's headroom)
+    assert pool.allocate(after=b[-1]) == 7
+    for blk in [0, 1, 2, 3, 4]:
+        pool.release(blk)
+    assert pool.allocate_run(5) == [0, 1, 2, 3, 4]      # the lowest run again
+    assert pool.allocate_run(3, headroom=100) == [9, 10, 11]        # no run that long: no headroom
+
+
+def test_headroom_is_released_with_its_table_and_used_when_nothing_else_is_free():
+    pool = BlockPool(6, block_size=4)
+    a = pool.allocate_run(2, headroom=3)                # 2, 3, 4 held
+    b = [pool.allocate(), pool.allocate()]              # only 5 is plain free, then a held block
+    assert b == [5, 2]
+    pool.unhold(a[-1])                                  # a is gone: 3, 4 are plain free again
+    assert pool.allocate_run(2) == [3, 4]
+    assert not pool.can_allocate(1)
+
+
+def test_eviction_prefers_the_block_after_the_table():
+    pool = BlockPool(4, block_size=2)
+    pool.is_cached = lambda block: True                # every released block keeps cached content
+    evicted = []
+    pool.on_evict = evicted.append
+    blocks = pool.allocate_run(4)
+    for blk in blocks:                                  # LRU order 0, 1, 2, 3
+        pool.release(blk)
+    first = pool.allocate()                             # nothing free: the least recently used
+    assert first == 0 and pool.allocate(after=first) == 1 and evicted == [0, 1]
+    assert pool.allocate(after=3) == 2                  # 4 does not exist: LRU again
+
+
+def test_old_policy_hands_out_blocks_in_release_order():
+    pool = BlockPool(4, block_size=2, contiguous=False)
+    a = pool.allocate_run(4)
+    for blk in reversed(a):
+        pool.release(blk)
+    assert pool.allocate_run(4) == [3, 2, 1, 0]

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.kernels import select
 from engine.models.loader import load_model
 from engine.runners import torch_attention
 from engine.runners.base import Row
@@ -18,6 +19,8 @@ mx = pytest.importorskip("mlx.core")
 
 from engine.models.qwen2_mlx import load_mlx  # noqa: E402
 from engine.runners import mlx_attention  # noqa: E402
+
+REFERENCE = select("reference", "cpu")
 
 
 def test_logits_match_torch(model_dir):
@@ -36,7 +39,7 @@ def test_logits_match_torch(model_dir):
     for start, end in [(0, 30)] + [(p, p + 1) for p in range(30, 40)]:    # prefill, then step-by-step decode
         row = Row(0, start, ids[start:end], slots=slots(start, end), block_table=table)
         with torch.inference_mode():
-            attn = torch_attention.paged(tk, tv, [row], scale, torch.device("cpu"))
+            attn = torch_attention.paged(REFERENCE, tk, tv, [row], scale, torch.device("cpu"))
             expect = tm.logits(tm(torch.tensor(ids[start:end]), torch.arange(start, end), attn)).numpy()
         got = mm.logits(mm.forward(mx.array(ids[start:end]), mx.arange(start, end),
                                    mlx_attention.paged(mk, mv, bs, [row], scale)))

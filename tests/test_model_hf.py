@@ -8,10 +8,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine.kernels import select
 from engine.models.loader import load_model
 from engine.runners import torch_attention
 from engine.runners.base import Row
 from tests.conftest import random_ids
+
+REFERENCE = select("reference", "cpu")
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,7 +27,7 @@ def paged_logits(model, ids: list[int], start: int, k_cache, v_cache, table: lis
     bs = k_cache.shape[2]
     slots = [table[p // bs] * bs + p % bs for p in range(start, start + len(ids))]
     row = Row(0, start, ids, slots=slots, block_table=table)
-    attn = torch_attention.paged(k_cache, v_cache, [row], model.cfg.head_dim ** -0.5, torch.device("cpu"))
+    attn = torch_attention.paged(REFERENCE, k_cache, v_cache, [row], model.cfg.head_dim ** -0.5, torch.device("cpu"))
     with torch.inference_mode():
         hidden = model(torch.tensor(ids), torch.arange(start, start + len(ids)), attn)
         return model.logits(hidden)

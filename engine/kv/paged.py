@@ -10,6 +10,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def contiguity(table: list[int]) -> tuple[int, int]:
+    """(adjacent entries, adjacent entries whose ids are consecutive) of one block table."""
+    return max(0, len(table) - 1), sum(1 for a, b in zip(table, table[1:]) if b == a + 1)
+
+
 class PagedKV:
     def __init__(self, pool: BlockPool, cache: PrefixCache | None) -> None:
         self.pool = pool
@@ -31,7 +36,8 @@ class PagedKV:
             return False
         for b in hits:
             self.pool.adopt(b)
-        req.block_table = hits + [self.pool.allocate() for _ in range(needed)]
+        expected = cdiv(len(req.prompt_ids) + req.params.max_tokens, self.bs) - n_adopt - needed
+        req.block_table = hits + self.pool.allocate_run(needed, hits[-1] if hits else None, max(0, expected))
         req.block_hashes = []
         parent = 0
         for i in range(n_adopt):
@@ -47,7 +53,7 @@ class PagedKV:
             return True
         if not self.pool.can_allocate(needed):
             return False
-        req.block_table.extend(self.pool.allocate() for _ in range(needed))
+        req.block_table.extend(self.pool.allocate_run(needed, req.block_table[-1] if req.block_table else None))
         return True
 
     def slots(self, req: Request, start: int, end: int) -> list[int]:
@@ -79,6 +85,8 @@ class PagedKV:
 
     def release(self, req: Request) -> None:
         """Drop the request's references, tail first, so a chain's head is evicted last."""
+        if req.block_table:
+            self.pool.unhold(req.block_table[-1])
         for b in reversed(req.block_table):
             self.pool.release(b)
         req.block_table = []

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels import CALLS, KernelOps
 from engine.kernels import reference as ref
 from engine.runners.base import Row, spans
 
 
-def paged(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: list[Row], scale: float, device: torch.device):
-    """k_cache/v_cache [layers, num_blocks, block_size, n_kv, hd]."""
+def paged(ops: KernelOps, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: list[Row], scale: float,
+          device: torch.device):
+    """k_cache/v_cache [layers, num_blocks, block_size, n_kv, hd]; `ops` are the reference ops or the kernels."""
+    CALLS[ops.name] += 1
     slots = torch.tensor([s for r in rows for s in r.slots], dtype=torch.long, device=device)
     if all(r.length == 1 for r in rows):
         width = max(len(r.block_table) for r in rows)
@@ -19,16 +22,16 @@ def paged(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: list[Row], scale: 
         max_len = max(lens)
 
         def decode(layer: int, q, k, v):
-            ref.write_kv(k_cache[layer], v_cache[layer], slots, k, v)
-            return ref.paged_decode_attention(q, k_cache[layer], v_cache[layer], tables, seq_lens, scale, max_len)
+            ops.write_kv(k_cache[layer], v_cache[layer], slots, k, v)
+            return ops.paged_decode_attention(q, k_cache[layer], v_cache[layer], tables, seq_lens, scale, max_len)
         return decode
 
     parts = spans(rows)
     tables = [torch.tensor(r.block_table, dtype=torch.long, device=device) for r in rows]
 
     def prefill(layer: int, q, k, v):
-        ref.write_kv(k_cache[layer], v_cache[layer], slots, k, v)
-        outs = [ref.paged_prefill_attention(q[o:o + n], k_cache[layer], v_cache[layer], table, start, scale)
+        ops.write_kv(k_cache[layer], v_cache[layer], slots, k, v)
+        outs = [ops.paged_prefill_attention(q[o:o + n], k_cache[layer], v_cache[layer], table, start, scale)
                 for (o, n, start), table in zip(parts, tables)]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
     return prefill

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from engine import kernels
 from engine.models.loader import load_model
 from engine.runners import torch_attention
 from engine.runners.base import Geometry, Row, flatten
@@ -20,13 +21,15 @@ class Step:
 
 
 class TorchRunner:
-    def __init__(self, model_dir: str | Path, dtype: str = "auto", device: str = "auto", num_threads: int = 0) -> None:
+    def __init__(self, model_dir: str | Path, dtype: str = "auto", device: str = "auto", num_threads: int = 0,
+                 attention: str = "auto") -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         self.model = load_model(model_dir, dtype, device)
+        self.ops = kernels.select(attention, self.device.type)
         cfg = self.model.cfg
         self.dtype = self.model.embed.weight.dtype
         g = Geometry.of(cfg, self.dtype.itemsize)
@@ -82,7 +85,7 @@ class TorchRunner:
         if rows[0].buf >= 0:
             attn = torch_attention.dense(self.dense, rows, self.scale)
         else:
-            attn = torch_attention.paged(self.k_cache, self.v_cache, rows, self.scale, dev)
+            attn = torch_attention.paged(self.ops, self.k_cache, self.v_cache, rows, self.scale, dev)
         hidden = self.model(ids_t, torch.tensor(positions, dtype=torch.long, device=dev), attn)
         self.tokens_computed += len(ids)
         picked = [i for i, r in enumerate(rows) if r.sample]
