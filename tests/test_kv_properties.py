@@ -1,0 +1,108 @@
+"""Property tests (hypothesis): random sequences of admissions, prefills, decode steps, unwinds and releases on a
+small paged pool with a prompt cache. After every operation the bookkeeping must hold: ref counts match the tables
+that name each block, free + used + cached = total, the free map agrees with the counts, every cached hash maps to
+a block that really holds those tokens (no stale mapping after a block is reused), and no shared block is ever
+written (PagedKV.slots checks every slot it hands out)."""
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from engine.kv.block_pool import FREE, HELD, TAKEN, BlockPool
+from engine.kv.paged import PagedKV
+from engine.prompt_cache import PrefixCache
+from engine.request import Request
+from engine.sampling import SamplingParams
+
+BS, BLOCKS = 4, 12
+FAMILIES = [[1, 2, 3, 1, 2, 3, 1, 2], [2, 2, 2, 2, 3, 3, 3, 3], [1, 1, 1, 1, 1, 1, 1, 1]]
+
+
+class PagedKVMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = BlockPool(BLOCKS, BS)
+        self.cache = PrefixCache(self.pool)
+        self.kv = PagedKV(self.pool, self.cache)
+        self.running: list[Request] = []
+        self.truth: dict[int, dict[int, int]] = {}      # block -> {offset: token} actually written there
+        self.ids = 0
+
+    def _write(self, req: Request, start: int, end: int) -> None:
+        for slot, pos in zip(self.kv.slots(req, start, end), range(start, end)):
+            self.truth.setdefault(slot // BS, {})[slot % BS] = req.all_ids[pos]
+
+    @rule(family=st.integers(0, len(FAMILIES) - 1), cut=st.integers(1, 8), tail=st.lists(st.integers(1, 3),
+          max_size=6), max_tokens=st.integers(1, 12))
+    def admit(self, family, cut, tail, max_tokens):
+        """Prompts from a few families: duplicates, full-prompt hits and partial hits all happen."""
+        if len(self.running) >= 4:
+            return
+        req = Request(self.ids, FAMILIES[family][:cut] + tail, SamplingParams(max_tokens=max_tokens))
+        self.ids += 1
+        if not self.kv.fits(req) or not self.kv.admit(req):
+            return
+        adopted = req.num_computed
+        for pos in range(adopted):                       # adopted blocks hold exactly this prompt's tokens
+            block = req.block_table[pos // BS]
+            assert self.truth[block][pos % BS] == req.all_ids[pos]
+        self._write(req, adopted, req.prefill_target)
+        req.num_computed = req.num_allocated = req.prefill_target
+        self.kv.commit(req)
+        req.output_ids.append(1 + self.ids % 3)
+        self.running.append(req)
+
+    @precondition(lambda self: self.running)
+    @rule(i=st.integers(0, 3), token=st.integers(1, 3))
+    def decode(self, i, token):
+        req = self.running[i % len(self.running)]
+        p = req.num_computed
+        if len(req.output_ids) >= req.params.max_tokens or not self.kv.grow(req, p + 1):
+            return
+        self._write(req, p, p + 1)
+        req.num_computed = req.num_allocated = p + 1
+        self.kv.commit(req)
+        req.output_ids.append(token)
+
+    @precondition(lambda self: self.running)
+    @rule(i=st.integers(0, 3))
+    def speculate_and_unwind(self, i):
+        """A lookahead step reserves a position, then the row finishes and gives it back."""
+        req = self.running[i % len(self.running)]
+        p = req.num_computed
+        if self.kv.grow(req, p + 1):
+            self.kv.slots(req, p, p + 1)
+            self.kv.trim(req, p)
+
+    @precondition(lambda self: self.running)
+    @rule(i=st.integers(0, 3))
+    def finish(self, i):
+        req = self.running.pop(i % len(self.running))
+        self.kv.release(req)
+
+    @invariant()
+    def bookkeeping(self):
+        pool = self.pool
+        named = Counter(b for r in self.running for b in r.block_table)
+        assert all(pool.ref[b] == named[b] for b in range(BLOCKS))
+        assert pool.num_free + pool.num_used + pool.num_cached == BLOCKS
+        assert pool.num_free == sum(1 for s in pool.map if s in (FREE, HELD))
+        for b in range(BLOCKS):
+            if pool.map[b] != TAKEN:
+                assert pool.ref[b] == 0 and b not in pool.cached and b not in self.cache.content
+            if b in pool.cached:
+                assert pool.ref[b] == 0 and b in self.cache.content
+
+    @invariant()
+    def cache_maps_to_real_content(self):
+        for h, b in self.cache.index.items():
+            stored_hash, tokens = self.cache.content[b]
+            assert stored_hash == h
+            assert [self.truth[b][o] for o in range(BS)] == list(tokens)
+
+
+PagedKVMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestPagedKV = PagedKVMachine.TestCase
