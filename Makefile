@@ -4,12 +4,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test serve bench
+.PHONY: setup run test serve bench soak
 
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 TRITON_ARGS ?=
+SOAK_SECONDS ?= 600
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,3 +39,8 @@ bench: setup
 	  --perf-requests 8 --out perf/results/full-small
 	$(PY) scripts/main_job.py --preset qwen2.5-0.5b --dtype float32 --prompt-tokens 512 --max-tokens 512 \
 	  --pairs 7 --concurrency 1,2,4 --perf-requests 8 --out perf/results/full-qwen2.5-0.5b
+
+# Reliability soak (not part of `make test`, which runs a 30-second one): tritonserver with the default model,
+# 8 clients mixing hits, misses, cancels and bad inputs; `make soak SOAK_SECONDS=60` shortens it.
+soak: setup
+	$(PY) scripts/soak.py --seconds $(SOAK_SECONDS) --concurrency 8

@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"),
                      help="require 'Authorization: Bearer KEY' on /v1/* (env PAGODA_API_KEY)")
     srv.add_argument("--served-model-name", default=None, help="default: the model directory's name")
+    srv.add_argument("--max-body-bytes", type=int, default=int(os.environ.get("PAGODA_MAX_BODY_BYTES", 8 << 20)),
+                     help="refuse larger request bodies with 413 (env PAGODA_MAX_BODY_BYTES; default 8 MiB)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.cmd == "make-model":
@@ -86,12 +88,14 @@ def serve(args: argparse.Namespace) -> int:
 
     from engine.async_engine import AsyncEngine
     from engine.server.app import create_app
+    from engine.server.body_limit import BodyLimit
     engine = AsyncEngine(engine_config(args))
     name = args.served_model_name or os.path.basename(os.path.normpath(engine.engine.config.model))
-    app = create_app(engine, name, args.api_key)
+    app = BodyLimit(create_app(engine, name, args.api_key), args.max_body_bytes)
     logging.getLogger("pagoda").info("serving %s on http://%s:%d", name, args.host, args.port)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                    timeout_graceful_shutdown=5)       # then open streams are cut and their requests aborted
     finally:
         engine.shutdown()
     return 0

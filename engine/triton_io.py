@@ -84,6 +84,11 @@ def parse(inputs: dict[str, np.ndarray]) -> TritonRequest:
     return TritonRequest(prompt, params, stream, prepend and text is not None, extras)
 
 
+def error_message(message: str) -> str:
+    """An engine error in Triton's names: the engine calls a text prompt `prompt`, Triton calls it text_input."""
+    return "text_input:" + message[len("prompt:"):] if message.startswith("prompt:") else message
+
+
 def outputs(text: str, ids: list[int], extras: list[str], finish_reason: str | None, num_input: int,
             num_output: int, cached: int) -> dict[str, np.ndarray]:
     """Output tensors of one response. The return_* extras ride on every response: finish_reason is empty

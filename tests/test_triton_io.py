@@ -43,6 +43,11 @@ def test_parse_errors_name_the_field(inputs, message):
         triton_io.parse(inputs)
 
 
+def test_engine_errors_use_triton_names():
+    assert triton_io.error_message("prompt: must not be empty") == "text_input: must not be empty"
+    assert triton_io.error_message("top_p: must be in (0, 1]") == "top_p: must be in (0, 1]"
+
+
 def test_outputs():
     out = triton_io.outputs("hé", [5, 6], ["finish_reason", "cached_tokens"], "stop", 10, 2, 8)
     assert out["text_output"][0].decode() == "hé" and out["output_ids"].dtype == np.int32

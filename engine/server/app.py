@@ -34,6 +34,8 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
         first = exc.errors()[0]
+        if first.get("type") == "json_invalid":
+            return error(400, f"body: not valid JSON ({first.get('ctx', {}).get('error', first['msg'])})", "body")
         field = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
         return error(400, f"{field}: {first['msg']}", field)
 

@@ -90,7 +90,7 @@ class TritonPythonModel:
             req = triton_io.parse(inputs)
             await self._stream(req, sender)
         except ValueError as e:
-            self._fail(sender, str(e), pb_utils.TritonError.INVALID_ARG)
+            self._fail(sender, triton_io.error_message(str(e)), pb_utils.TritonError.INVALID_ARG)
         except Exception as e:
             logging.getLogger("pagoda").exception("request failed")
             self._fail(sender, f"internal error: {e}", pb_utils.TritonError.INTERNAL)
