@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.kv.block_pool import BlockPool
@@ -15,7 +15,7 @@ from engine.kv.paged import PagedKV, contiguity, cdiv
 from engine.lookahead import Lookahead
 from engine.metrics import Metrics
 from engine.prompt_cache import PrefixCache
-from engine.request import Request, Status
+from engine.request import Delta, Request, Status
 from engine.runners import make_runner
 from engine.runners.base import ModelRunner, Row
 from engine.sampling import SamplingParams
@@ -24,19 +24,6 @@ from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("pagoda")
 _STATUS = {"stop": "completed", "length": "completed", "abort": "cancelled", "error": "error"}
-
-
-@dataclass(slots=True)
-class Delta:
-    request_id: int
-    token_ids: list[int]
-    text: str
-    finished: bool = False
-    finish_reason: str | None = None
-    error: str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    cached_tokens: int = 0
 
 
 class Engine:
@@ -64,6 +51,9 @@ class Engine:
         self.ids = itertools.count()
         self.cancels: deque[int] = deque()
         self.deltas: list[Delta] = []
+        self.steps = 0
+        # Fault injection for reliability tests: PAGODA_FAILPOINT_STEPS=5,9 makes those steps raise mid-step.
+        self.failpoints = {int(n) for n in os.environ.get("PAGODA_FAILPOINT_STEPS", "").split(",") if n.strip()}
         # When set, each delta goes out the moment it exists (a prefill's first token does not wait for the
         # decode step launched in the same tick); otherwise step() returns them.
         self.on_delta: Callable[[Delta], None] | None = None
@@ -122,6 +112,9 @@ class Engine:
         for req in too_big:
             self._finish(req, "error", "prompt: needs more KV blocks than the pool holds")
         self._prefill()
+        self.steps += 1
+        if self.steps in self.failpoints:
+            raise RuntimeError(f"failpoint: injected failure in step {self.steps}")
         self._decode()
         self._gauges()
         return self.deltas

@@ -17,7 +17,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 

@@ -1,0 +1,169 @@
+"""Cancellation at each stage, KV pressure, an injected step failure, shutdown with requests in flight, and logs
+that never hold prompt text: through a real tritonserver (gRPC) and the OpenAI server."""
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import threading
+import time
+
+import pytest
+import tritonclient.grpc as grpcclient
+
+from client.metrics import scrape
+from client.stream import grpc_inputs, stream_grpc
+from engine import LLM, SamplingParams
+from scripts import tritonserver as triton_server
+from tests.conftest import random_ids
+from tests.test_openai_server import start
+from tests.test_triton import collect
+
+SECRET = "zebra quartz lantern"          # prompt text that must never reach a log
+GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def triton(tiny_dir, tmp_path_factory):
+    """Two rows at a time over a 40-block pool (1280 tokens): queues and preemption happen."""
+    log = tmp_path_factory.mktemp("reliability") / "server.log"
+    srv = triton_server.launch({"PAGODA_MODEL": tiny_dir, "PAGODA_DTYPE": "float32", "PAGODA_MAX_BATCH_SIZE": "2",
+                                "PAGODA_NUM_KV_BLOCKS": "40"}, log)
+    yield srv
+    assert srv.stop(timeout=60) == 0
+
+
+def value(srv, name: str, **labels: str) -> float:
+    return scrape(srv.metrics_url, name, **labels)
+
+
+def settle(srv, used: float, cancelled: float | None = None, timeout: float = 20) -> None:
+    """Wait until the used-block gauge is back to `used` (and the cancelled counter reaches `cancelled`)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value(srv, "pagoda_kv_blocks", state="used") == used and (
+                cancelled is None or value(srv, "pagoda_requests_total", status="cancelled") >= cancelled):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"not settled: used {value(srv, 'pagoda_kv_blocks', state='used')} (want {used})")
+
+
+def long_request(seed: int, max_tokens: int = 300) -> list:
+    return grpc_inputs(random_ids(60, seed=seed), {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+
+
+@pytest.mark.parametrize("stage", ["queued", "first-token", "mid-decode", "last-token"])
+def test_cancel_at_each_stage_returns_every_block(triton, stage):
+    probe = random_ids(40, seed=77)
+    reference = stream_grpc(triton.grpc_url, "llm", probe, GREEDY).ids
+    used = value(triton, "pagoda_kv_blocks", state="used")
+    cancelled = value(triton, "pagoda_requests_total", status="cancelled")
+    blockers = []
+    if stage == "queued":                    # both rows busy: the cancelled request never leaves the queue
+        blockers = [threading.Thread(target=collect, args=(triton, long_request(s, 150))) for s in (1, 2)]
+        for t in blockers:
+            t.start()
+        time.sleep(0.5)
+    if stage == "queued":
+        client = grpcclient.InferenceServerClient(triton.grpc_url)
+        client.start_stream(callback=lambda result, error: None)
+        client.async_stream_infer("llm", grpc_inputs(random_ids(50, seed=5), GREEDY), enable_empty_final_response=True)
+        time.sleep(0.2)
+        client.stop_stream(cancel_requests=True)
+        client.close()
+    else:
+        after = {"first-token": 1, "mid-decode": 6, "last-token": 11}[stage]
+        responses, error = collect(triton, grpc_inputs(random_ids(50, seed=5), GREEDY), cancel_after=after)
+        assert error is None and len(responses) == after
+    for t in blockers:
+        t.join(60)
+    raced = stage == "last-token"            # the last token may already be on its way: completed or cancelled
+    settle(triton, used, None if raced else cancelled + 1)
+    assert stream_grpc(triton.grpc_url, "llm", probe, GREEDY).ids == reference
+
+
+def test_grpc_channel_closed_abruptly(triton):
+    """Triton 2.51 does not report a stream whose channel just closed as cancelled: the request runs to its end,
+    then every block returns and the server serves on."""
+    used = value(triton, "pagoda_kv_blocks", state="used")
+    client = grpcclient.InferenceServerClient(triton.grpc_url)
+    got = threading.Event()
+    client.start_stream(callback=lambda result, error: got.set())
+    client.async_stream_infer("llm", long_request(8, 300), enable_empty_final_response=True)
+    assert got.wait(30)
+    client.close()                           # no stop_stream: the connection just goes away
+    settle(triton, used, timeout=60)
+    assert stream_grpc(triton.grpc_url, "llm", "hello", GREEDY).error is None
+
+
+def test_request_larger_than_the_pool_fails_fast(triton):
+    started = time.monotonic()
+    responses, error = collect(triton, grpc_inputs(random_ids(1400, seed=3), GREEDY))
+    assert error is not None and "input_ids" in str(error) and "KV blocks" in str(error)
+    assert time.monotonic() - started < 5
+    assert stream_grpc(triton.grpc_url, "llm", "hello", GREEDY).error is None
+
+
+def test_more_work_than_blocks_finishes_with_the_tokens_each_gets_alone(triton, tiny_dir):
+    """Six 700-token requests over two rows and 40 blocks (two need 44): they queue and preempt, then match
+    offline greedy."""
+    prompts = [random_ids(350, seed=30 + i) for i in range(6)]
+    params = {"max_tokens": 350, "temperature": 0, "ignore_eos": True}
+    results: list = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        results[i] = stream_grpc(triton.grpc_url, "llm", prompts[i], params)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    llm = LLM(model=tiny_dir, dtype="float32", max_batch_size=1)
+    for prompt, result in zip(prompts, results):
+        assert result.error is None and result.finish_reason == "length"
+        alone = llm.generate(prompt, SamplingParams(**params))[0]
+        assert result.ids == alone.token_ids
+    assert value(triton, "pagoda_preemptions_total") > 0
+    settle(triton, 0)
+
+
+def test_logs_never_hold_prompt_text(triton):
+    assert stream_grpc(triton.grpc_url, "llm", SECRET, GREEDY).error is None
+    collect(triton, grpc_inputs(SECRET, {"max_tokens": -3}))            # rejected: the error names a field only
+    time.sleep(0.5)
+    log = triton.log.read_text(encoding="utf-8", errors="replace")
+    assert "request completed" in log and SECRET not in log
+
+
+def test_a_failed_step_ends_requests_with_an_error_and_the_engine_recovers(tiny_dir, tmp_path):
+    srv = triton_server.launch({"PAGODA_MODEL": tiny_dir, "PAGODA_DTYPE": "float32",
+                                "PAGODA_FAILPOINT_STEPS": "4"}, tmp_path / "server.log")
+    try:
+        responses, error = collect(srv, grpc_inputs(random_ids(30, seed=1), GREEDY))
+        assert error is not None and "failpoint" in str(error)
+        assert stream_grpc(srv.grpc_url, "llm", random_ids(30, seed=1), GREEDY).ids
+        assert value(srv, "pagoda_requests_total", status="error") == 1
+        settle(srv, 0)
+    finally:
+        assert srv.stop(timeout=60) == 0
+
+
+def test_openai_shutdown_with_a_stream_in_flight(tiny_dir, tmp_path):
+    proc, url = start(tiny_dir, tmp_path / "server.log")
+    host, port = url.split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"model": "tiny0", "prompt": SECRET, "max_tokens": 3000,
+                                                        "ignore_eos": True, "stream": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.readline().startswith(b"data:")
+    proc.terminate()
+    started = time.monotonic()
+    try:
+        rest = resp.read()                              # the stream ends: an error event, or the connection closes
+    except http.client.IncompleteRead as e:
+        rest = e.partial
+    assert time.monotonic() - started < 20
+    assert b"[DONE]" not in rest or b"error" in rest
+    assert proc.wait(30) in (0, -signal.SIGTERM)
+    assert SECRET not in (tmp_path / "server.log").read_text()
