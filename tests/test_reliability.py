@@ -167,3 +167,21 @@ def test_openai_shutdown_with_a_stream_in_flight(tiny_dir, tmp_path):
     assert b"[DONE]" not in rest or b"error" in rest
     assert proc.wait(30) in (0, -signal.SIGTERM)
     assert SECRET not in (tmp_path / "server.log").read_text()
+
+
+def test_triton_shutdown_with_a_stream_in_flight(tiny_dir, tmp_path):
+    """tritonserver drains in-flight requests on SIGTERM (up to its exit timeout): the stream ends with its FINAL
+    response, then the server unloads the model and exits cleanly."""
+    srv = triton_server.launch({"PAGODA_MODEL": tiny_dir, "PAGODA_DTYPE": "float32"}, tmp_path / "server.log")
+    done: dict = {}
+
+    def run() -> None:
+        done["responses"], done["error"] = collect(srv, long_request(4, 600))
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(1.0)
+    started = time.monotonic()
+    assert srv.stop(timeout=60) == 0
+    t.join(30)
+    assert time.monotonic() - started < 35
+    assert done["error"] is None and done["responses"][-1]["final"] and len(done["responses"]) == 600
