@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test serve bench soak
+.PHONY: setup run test serve bench soak bench-peers
 
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
@@ -44,3 +44,7 @@ bench: setup
 # 8 clients mixing hits, misses, cancels and bad inputs; `make soak SOAK_SECONDS=60` shortens it.
 soak: setup
 	$(PY) scripts/soak.py --seconds $(SOAK_SECONDS) --concurrency 8
+
+# Pagoda next to transformers, mlx-lm, the memory roofline and itself through tritonserver, in one run (~20 min).
+bench-peers: setup
+	$(PY) perf/bench_peers.py --out perf/results

@@ -1,0 +1,218 @@
+"""Pagoda next to its peers, in one run on this machine: every row is a ratio Pagoda / peer with its goal.
+
+    python perf/bench_peers.py [--quick] [--out perf/results]
+1. in-process decode tok/s, LLM vs transformers generate: qwen2.5-0.5b fp32 and bf16, and tiny (per-token overhead)
+2. the memory roofline: read bandwidth of a >= 1 GiB tensor sum / bytes of weights read per token
+3. aggregate decode tok/s at concurrency 1, 2, 4 (paged, in process)
+4. lookahead vs PAGODA_FORCE_SYNC, torch and MLX runners
+5. decode tok/s through tritonserver gRPC streaming vs in process, same model and threads
+6. the MLX runner vs mlx-lm generate (small)
+Rates are medians of interleaved repeats; decode tok/s = (tokens - 1) / (t_last - t_first).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engine.config import EngineConfig                  # noqa: E402
+from engine.engine import Engine                        # noqa: E402
+from engine.models.presets import cached_model          # noqa: E402
+from engine.sampling import SamplingParams              # noqa: E402
+from perf.bench_decode import transformers_rate         # noqa: E402
+from perf.inprocess import greedy_run                   # noqa: E402
+
+
+def prompt_ids(n: int = 32, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 800) for _ in range(n)]
+
+
+def median_pair(a, b, repeats: int) -> tuple[float, float]:
+    """Interleave two measurements `repeats` times; medians."""
+    xs, ys = [], []
+    for _ in range(repeats):
+        xs.append(a())
+        ys.append(b())
+    return statistics.median(xs), statistics.median(ys)
+
+
+def in_process(preset: str, dtype: str, tokens: int, repeats: int, threads: int) -> tuple[float, float]:
+    model = str(cached_model(preset))
+    engine = Engine(EngineConfig(model=model, dtype=dtype, num_threads=threads))
+    p = prompt_ids()
+    greedy_run(engine, p, 8), transformers_rate(model, dtype, p, 8)                 # warm-up
+    return median_pair(lambda: greedy_run(engine, p, tokens)[1], lambda: transformers_rate(model, dtype, p, tokens),
+                       repeats)
+
+
+def roofline(preset: str, dtype: str, threads: int) -> dict:
+    """tok/s the memory system allows: read bandwidth / weight bytes per decoded token (every weight once)."""
+    torch.set_num_threads(threads)
+    x = torch.ones(1 << 28, dtype=torch.float32)                    # 1 GiB
+    x.sum()
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    bandwidth = x.numel() * 4 / statistics.median(times)
+    del x
+    engine = Engine(EngineConfig(model=str(cached_model(preset)), dtype=dtype, num_threads=threads))
+    weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    return {"bandwidth_gbs": bandwidth / 1e9, "weight_bytes": weights, "roofline_tok_s": bandwidth / weights}
+
+
+def aggregate(preset: str, concurrency: int, tokens: int, threads: int) -> float:
+    """Decoded tokens per second over all requests, from when every request has its first token to the end."""
+    engine = Engine(EngineConfig(model=str(cached_model(preset)), max_batch_size=4, kv_storage="paged",
+                                 num_threads=threads))
+    greedy_run(engine, prompt_ids(), 8)
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    for i in range(concurrency):
+        engine.add(engine.make_request(prompt_ids(seed=100 + i), params))
+    times: list[float] = []
+    firsts: dict[int, float] = {}
+    while engine.has_work:
+        for d in engine.step():
+            now = time.perf_counter()
+            firsts.setdefault(d.request_id, now)
+            times += [now] * len(d.token_ids)
+    start = max(firsts.values())
+    return sum(1 for t in times if t > start) / (times[-1] - start)
+
+
+def lookahead(preset: str, runner: str, tokens: int, repeats: int, threads: int) -> tuple[float, float]:
+    model = str(cached_model(preset))
+    engines = [Engine(EngineConfig(model=model, runner=runner, lookahead=la, num_threads=threads))
+               for la in (True, False)]
+    p = prompt_ids()
+    for e in engines:
+        greedy_run(e, p, 8)
+    return median_pair(lambda: greedy_run(engines[0], p, tokens)[1], lambda: greedy_run(engines[1], p, tokens)[1],
+                       repeats)
+
+
+def through_triton(preset: str, tokens: int, repeats: int, threads: int) -> tuple[float, float]:
+    from client.stream import stream_grpc
+    from scripts.tritonserver import launch
+    model = str(cached_model(preset))
+    params = {"max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+    server = launch({"PAGODA_MODEL": model, "PAGODA_NUM_THREADS": str(threads)},
+                    Path(tempfile.mkdtemp(prefix="pagoda-peers-")) / "tritonserver.log")
+    try:
+        stream_grpc(server.grpc_url, "llm", prompt_ids(seed=1), params)
+        served = [stream_grpc(server.grpc_url, "llm", prompt_ids(seed=10 + i), params).decode_rate
+                  for i in range(repeats)]
+    finally:
+        server.stop()
+    engine = Engine(EngineConfig(model=model, num_threads=threads))
+    greedy_run(engine, prompt_ids(seed=1), 8)
+    local = [greedy_run(engine, prompt_ids(seed=10 + i), tokens)[1] for i in range(repeats)]
+    return statistics.median(served), statistics.median(local)
+
+
+def mlx_vs_mlx_lm(preset: str, tokens: int, repeats: int) -> tuple[float, float]:
+    from mlx_lm import load
+
+    from perf.bench_mlx import mlx_lm_rate
+    model = str(cached_model(preset))
+    lm, tok = load(model)
+    engine = Engine(EngineConfig(model=model, runner="mlx"))
+    p = prompt_ids()
+    greedy_run(engine, p, 8), mlx_lm_rate(lm, tok, p, 8)
+    return median_pair(lambda: greedy_run(engine, p, tokens)[1], lambda: mlx_lm_rate(lm, tok, p, tokens), repeats)
+
+
+def row(section: str, what: str, pagoda: float, peer: float, goal: float, unit: str = "tok/s") -> dict:
+    ratio = pagoda / peer if peer else float("nan")
+    return {"section": section, "what": what, "pagoda": pagoda, "peer": peer, "ratio": ratio, "goal": goal,
+            "unit": unit, "met": ratio >= goal}
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 1))
+    labels = [f"{r['section']}: {r['what']}" for r in rows]
+    ax.barh(labels, [r["ratio"] for r in rows], color=["tab:green" if r["met"] else "tab:red" for r in rows])
+    ax.scatter([r["goal"] for r in rows], labels, marker="|", s=300, color="black", label="goal")
+    ax.invert_yaxis()
+    ax.set(xlabel="Pagoda / peer", title="Pagoda against its peers (this machine, one run)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    from tqdm import tqdm
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer tokens and repeats (a smoke run, not numbers)")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--out", default=str(ROOT / "perf/results"))
+    args = ap.parse_args(argv)
+    n, reps = (16, 1) if args.quick else (256, 2)
+    small_n, small_reps = (16, 1) if args.quick else (128, 5)
+    big = "tiny" if args.quick else "qwen2.5-0.5b"
+    t = args.threads
+    steps = [
+        ("decode", lambda: [row("in-process vs transformers", f"{big} fp32", *in_process(big, "float32", n, reps, t),
+                                1.05),
+                            row("in-process vs transformers", f"{big} bf16", *in_process(big, "bfloat16", n, reps, t),
+                                1.0),
+                            row("in-process vs transformers", "tiny fp32", *in_process("tiny", "float32", small_n,
+                                                                                       small_reps, t), 2.5)]),
+        ("roofline", lambda: [roofline_row(big, t, n, reps)]),
+        ("concurrency", lambda: concurrency_rows(t, small_n)),
+        ("lookahead", lambda: [row("lookahead vs sync", "torch small", *lookahead("small", "torch", small_n,
+                                                                                 small_reps, t), 0.98),
+                               row("lookahead vs sync", "mlx small", *lookahead("small", "mlx", small_n, small_reps, t),
+                                   1.15)]),
+        ("triton", lambda: [row("tritonserver vs in-process", "small, 1 thread each",
+                                *through_triton("small", small_n, small_reps, 1), 0.90)]),
+        ("mlx", lambda: [row("mlx runner vs mlx-lm", "small", *mlx_vs_mlx_lm("small", small_n, small_reps), 1.0)]),
+    ]
+    rows: list[dict] = []
+    for name, step in tqdm(steps, desc="bench-peers", unit="section", file=sys.stderr):
+        rows += step()
+    print(f"\nPagoda vs peers, {time.strftime('%Y-%m-%d')}, torch threads {t}"
+          f"{' (quick: smoke only)' if args.quick else ''}")
+    print(f"{'section':28} {'what':22} {'pagoda':>10} {'peer':>10} {'ratio':>6} {'goal':>6}  met")
+    for r in rows:
+        print(f"{r['section']:28} {r['what']:22} {r['pagoda']:10.1f} {r['peer']:10.1f} {r['ratio']:6.2f} "
+              f"{r['goal']:6.2f}  {'yes' if r['met'] else 'NO'}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_peers.json").write_text(json.dumps(rows, indent=2))
+    plot(rows, out / "bench_peers.png")
+    return rows
+
+
+def roofline_row(preset: str, threads: int, tokens: int, repeats: int) -> dict:
+    r = roofline(preset, "float32", threads)
+    engine = Engine(EngineConfig(model=str(cached_model(preset)), dtype="float32", num_threads=threads))
+    greedy_run(engine, prompt_ids(), 8)
+    rate = statistics.median(greedy_run(engine, prompt_ids(), tokens)[1] for _ in range(repeats))
+    return row("memory roofline", f"{preset} fp32 ({r['bandwidth_gbs']:.1f} GB/s)", rate, r["roofline_tok_s"], 0.90)
+
+
+def concurrency_rows(threads: int, tokens: int) -> list[dict]:
+    rates = {c: aggregate("small", c, tokens, threads) for c in (1, 2, 4)}
+    return [row("aggregate decode (paged)", f"small c={c} vs c=1", rates[c], rates[1], 2.5 if c == 4 else 1.0)
+            for c in (2, 4)]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+"""bench-peers arithmetic and output, without timing anything: rows, goals, the plot, the aggregate counter."""
+from __future__ import annotations
+
+import math
+
+from perf import bench_peers
+
+
+def test_rows_carry_ratio_and_goal(tmp_path):
+    met = bench_peers.row("lookahead vs sync", "torch small", 99.0, 100.0, 0.98)
+    missed = bench_peers.row("in-process vs transformers", "tiny", 200.0, 100.0, 2.5)
+    assert met["ratio"] == 0.99 and met["met"]
+    assert missed["ratio"] == 2.0 and not missed["met"]
+    assert math.isnan(bench_peers.row("x", "y", 1.0, 0.0, 1.0)["ratio"])
+    bench_peers.plot([met, missed], tmp_path / "peers.png")
+    assert (tmp_path / "peers.png").stat().st_size > 5_000
+
+
+def test_aggregate_counts_tokens_after_every_request_has_started():
+    assert bench_peers.aggregate("tiny", 2, 12, threads=1) > 0
