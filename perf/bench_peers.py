@@ -189,9 +189,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows += step()
     print(f"\nPagoda vs peers, {time.strftime('%Y-%m-%d')}, torch threads {t}"
           f"{' (quick: smoke only)' if args.quick else ''}")
-    print(f"{'section':28} {'what':22} {'pagoda':>10} {'peer':>10} {'ratio':>6} {'goal':>6}  met")
+    print(f"{'section':28} {'what':32} {'pagoda':>10} {'peer':>10} {'ratio':>6} {'goal':>6}  met")
     for r in rows:
-        print(f"{r['section']:28} {r['what']:22} {r['pagoda']:10.1f} {r['peer']:10.1f} {r['ratio']:6.2f} "
+        print(f"{r['section']:28} {r['what']:32} {r['pagoda']:10.1f} {r['peer']:10.1f} {r['ratio']:6.2f} "
               f"{r['goal']:6.2f}  {'yes' if r['met'] else 'NO'}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
