@@ -17,7 +17,7 @@ from engine import LLM, SamplingParams
 from scripts import tritonserver as triton_server
 from tests.conftest import random_ids
 from tests.test_openai_server import start
-from tests.test_triton import collect
+from tests.test_triton import collect, stop_checked
 
 SECRET = "zebra quartz lantern"          # prompt text that must never reach a log
 GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -30,7 +30,7 @@ def triton(tiny_dir, tmp_path_factory):
     srv = triton_server.launch({"PAGODA_MODEL": tiny_dir, "PAGODA_DTYPE": "float32", "PAGODA_MAX_BATCH_SIZE": "2",
                                 "PAGODA_NUM_KV_BLOCKS": "40"}, log)
     yield srv
-    assert srv.stop(timeout=60) == 0
+    stop_checked(srv)
 
 
 def value(srv, name: str, **labels: str) -> float:
@@ -67,13 +67,15 @@ def test_cancel_at_each_stage_returns_every_block(triton, stage):
     if stage == "queued":
         client = grpcclient.InferenceServerClient(triton.grpc_url)
         client.start_stream(callback=lambda result, error: None)
-        client.async_stream_infer("llm", grpc_inputs(random_ids(50, seed=5), GREEDY), enable_empty_final_response=True)
+        client.async_stream_infer("llm", grpc_inputs(random_ids(50, seed=5), {**GREEDY, "max_tokens": 400}),
+                                  enable_empty_final_response=True)
         time.sleep(0.2)
         client.stop_stream(cancel_requests=True)
         client.close()
     else:
         after = {"first-token": 1, "mid-decode": 6, "last-token": 11}[stage]
-        responses, error = collect(triton, grpc_inputs(random_ids(50, seed=5), GREEDY), cancel_after=after)
+        params = GREEDY if stage == "last-token" else {**GREEDY, "max_tokens": 400}   # else the cancel lands late
+        responses, error = collect(triton, grpc_inputs(random_ids(50, seed=5), params), cancel_after=after)
         assert error is None and len(responses) == after
     for t in blockers:
         t.join(60)
@@ -145,7 +147,7 @@ def test_a_failed_step_ends_requests_with_an_error_and_the_engine_recovers(tiny_
         assert value(srv, "pagoda_requests_total", status="error") == 1
         settle(srv, 0)
     finally:
-        assert srv.stop(timeout=60) == 0
+        stop_checked(srv)
 
 
 def test_openai_shutdown_with_a_stream_in_flight(tiny_dir, tmp_path):
@@ -185,3 +187,30 @@ def test_triton_shutdown_with_a_stream_in_flight(tiny_dir, tmp_path):
     t.join(30)
     assert time.monotonic() - started < 35
     assert done["error"] is None and done["responses"][-1]["final"] and len(done["responses"]) == 600
+
+
+def test_requests_cancelled_while_queued_return_their_blocks(tiny_dir, tmp_path):
+    """Six requests cancelled while they wait behind two busy rows: each ends as cancelled, every block returns,
+    and the server stops."""
+    srv = triton_server.launch({"PAGODA_MODEL": tiny_dir, "PAGODA_DTYPE": "float32", "PAGODA_MAX_BATCH_SIZE": "2"},
+                               tmp_path / "server.log")
+    try:
+        blockers = [threading.Thread(target=collect, args=(srv, long_request(s, 400))) for s in (1, 2)]
+        for t in blockers:
+            t.start()
+        time.sleep(0.5)
+        clients = []
+        for i in range(6):
+            client = grpcclient.InferenceServerClient(srv.grpc_url)
+            client.start_stream(callback=lambda result, error: None)
+            client.async_stream_infer("llm", grpc_inputs(random_ids(30, seed=60 + i), GREEDY))
+            clients.append(client)
+        time.sleep(0.3)
+        for client in clients:
+            client.stop_stream(cancel_requests=True)
+            client.close()
+        for t in blockers:
+            t.join(60)
+        settle(srv, 0, 6)
+    finally:
+        stop_checked(srv)

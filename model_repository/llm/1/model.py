@@ -69,10 +69,13 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
+        log = logging.getLogger("pagoda")
+        log.info("pagoda: finalize: stopping the engine")
         self.engine.shutdown()
         self.metrics_task.cancel()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
+        log.info("pagoda: finalize: done")
 
     async def _sync_metrics(self):
         while True:
