@@ -23,9 +23,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 class Rope(nn.Module):
@@ -37,12 +35,14 @@ class Rope(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at each token's position, [T, 1, hd]: once per step, shared by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 class Layer(nn.Module):
@@ -57,13 +57,12 @@ class Layer(nn.Module):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, idx: int, x: torch.Tensor, positions: torch.Tensor, rope: Rope, attn: Attention) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv(self.input_norm(x)).split(
-            [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], dim=-1)
-        q = rope(q.view(t, self.n_heads, self.head_dim), positions)
-        k = rope(k.view(t, self.n_kv, self.head_dim), positions)
-        v = v.view(t, self.n_kv, self.head_dim)
+    def forward(self, idx: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                attn: Attention) -> torch.Tensor:
+        t, nh, nkv = x.shape[0], self.n_heads, self.n_kv
+        qkv = self.qkv(self.input_norm(x)).view(t, nh + 2 * nkv, self.head_dim)
+        qk = Rope.apply(qkv[:, :nh + nkv], *rope)           # q and k heads rotated together
+        q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]
         x = x + self.o_proj(attn(idx, q, k, v).reshape(t, -1))
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
@@ -81,8 +80,9 @@ class Qwen2(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
         x = self.embed(ids)
+        rope = self.rope.tables(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(i, x, positions, self.rope, attn)
+            x = layer(i, x, rope, attn)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
