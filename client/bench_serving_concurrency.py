@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from client.metrics import scrape                            # noqa: E402
+from client.metrics import scrape_many                        # noqa: E402
 from client.stream import Result, stream_grpc, stream_openai   # noqa: E402
 from client.workload import Workload                          # noqa: E402
 
@@ -45,7 +45,7 @@ class Sample:
 
 def counters(metrics_url: str | None) -> list[float]:
     """The server's COUNTERS; NaN without a metrics endpoint."""
-    return [scrape(metrics_url, name) if metrics_url else float("nan") for name in COUNTERS]
+    return scrape_many(metrics_url, *COUNTERS) if metrics_url else [float("nan")] * len(COUNTERS)
 
 
 def pair_ratios(samples: list[Sample], concurrency: int) -> list[float]:

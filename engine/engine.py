@@ -52,7 +52,6 @@ class Engine:
         self.cancels: deque[int] = deque()
         self.deltas: list[Delta] = []
         self.steps = 0
-        self.table_pairs = self.table_consecutive = 0     # block-table contiguity of finished requests
         # Fault injection for reliability tests: PAGODA_FAILPOINT_STEPS=5,9 makes those steps raise mid-step.
         self.failpoints = {int(n) for n in os.environ.get("PAGODA_FAILPOINT_STEPS", "").split(",") if n.strip()}
         # When set, each delta goes out the moment it exists (a prefill's first token does not wait for the
@@ -274,12 +273,8 @@ class Engine:
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         if self.lookahead.unwind(req, self.kv.trim):
             self.metrics.unwinds.inc()
-        if self.pool is not None and len(req.block_table) > 1:
-            pairs, consecutive = contiguity(req.block_table)
-            self.table_pairs, self.table_consecutive = self.table_pairs + pairs, self.table_consecutive + consecutive
-            self.metrics.table_pairs.inc(pairs)
-            self.metrics.table_consecutive.inc(consecutive)
-            self.metrics.contiguity.set(self.table_consecutive / self.table_pairs)
+        if self.pool is not None:
+            self.metrics.count_table(*contiguity(req.block_table))
         self.scheduler.remove(req)
         self.runner.release(req.id)
         req.status, req.finish_reason, req.error = Status.FINISHED, reason, error

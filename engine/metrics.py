@@ -43,6 +43,7 @@ class Metrics:
         self.contiguity = Gauge("pagoda_block_table_contiguity", "Fraction of adjacent block-table entries that "
                                 "are consecutive ids, over finished requests (paged; 1 before any)", registry=r)
         self.contiguity.set(1.0)
+        self.tables = [0, 0]          # adjacent pairs, consecutive pairs: the gauge's running totals
         self.batch_size = Gauge("pagoda_batch_size", "Requests running", registry=r)
         self.queue_depth = Gauge("pagoda_queue_depth", "Requests waiting", registry=r)
         self.buckets = {"pagoda_time_to_first_token_seconds": LATENCY,
@@ -58,6 +59,14 @@ class Metrics:
                 "pagoda_e2e_request_latency_seconds", "Request latency", buckets=LATENCY, registry=r),
         }
         self.observations: deque[tuple[str, float]] = deque(maxlen=100_000)   # for mirrors to replay
+
+    def count_table(self, pairs: int, consecutive: int) -> None:
+        """A finished request's block table, toward the contiguity counters and gauge."""
+        self.table_pairs.inc(pairs)
+        self.table_consecutive.inc(consecutive)
+        self.tables = [self.tables[0] + pairs, self.tables[1] + consecutive]
+        if self.tables[0]:
+            self.contiguity.set(self.tables[1] / self.tables[0])
 
     def observe(self, name: str, value: float) -> None:
         self.histograms[name].observe(value)

@@ -56,7 +56,7 @@ def in_process(preset: str, dtype: str, tokens: int, repeats: int, threads: int)
                        repeats)
 
 
-def roofline(preset: str, dtype: str, threads: int) -> dict:
+def roofline(engine: Engine, threads: int) -> dict:
     """tok/s the memory system allows: read bandwidth / weight bytes per decoded token (every weight once)."""
     torch.set_num_threads(threads)
     x = torch.ones(1 << 28, dtype=torch.float32)                    # 1 GiB
@@ -67,8 +67,6 @@ def roofline(preset: str, dtype: str, threads: int) -> dict:
         x.sum()
         times.append(time.perf_counter() - t)
     bandwidth = x.numel() * 4 / statistics.median(times)
-    del x
-    engine = Engine(EngineConfig(model=str(cached_model(preset)), dtype=dtype, num_threads=threads))
     weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     return {"bandwidth_gbs": bandwidth / 1e9, "weight_bytes": weights, "roofline_tok_s": bandwidth / weights}
 
@@ -201,8 +199,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 def roofline_row(preset: str, threads: int, tokens: int, repeats: int) -> dict:
-    r = roofline(preset, "float32", threads)
     engine = Engine(EngineConfig(model=str(cached_model(preset)), dtype="float32", num_threads=threads))
+    r = roofline(engine, threads)
     greedy_run(engine, prompt_ids(), 8)
     rate = statistics.median(greedy_run(engine, prompt_ids(), tokens)[1] for _ in range(repeats))
     return row("memory roofline", f"{preset} fp32 ({r['bandwidth_gbs']:.1f} GB/s)", rate, r["roofline_tok_s"], 0.90)

@@ -5,7 +5,6 @@ then the next valid request must succeed and the KV gauges must be back at their
 from __future__ import annotations
 
 import json
-import queue
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ import tritonclient.grpc as grpcclient
 from client.metrics import scrape
 from scripts import tritonserver as triton_server
 from tests.test_openai_server import post, start
+from tests.test_triton import collect
 
 GOOD = '{"max_tokens": 2, "temperature": 0}'
 
@@ -52,7 +52,7 @@ TRITON_CASES = [
 ]
 
 
-def tensors(module, inputs: dict) -> list:
+def tensors(inputs: dict) -> list:
     out = []
     for name, value in inputs.items():
         if isinstance(value, bool):
@@ -62,7 +62,7 @@ def tensors(module, inputs: dict) -> list:
         else:
             arr = value if isinstance(value, np.ndarray) else np.array(value, dtype=np.int32)
             dtype = {np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64"}[arr.dtype]
-        t = module.InferInput(name, list(arr.shape), dtype)
+        t = grpcclient.InferInput(name, list(arr.shape), dtype)
         t.set_data_from_numpy(arr)
         out.append(t)
     return out
@@ -76,27 +76,6 @@ def triton(tiny_dir, tmp_path_factory):
     assert srv.stop(timeout=60) == 0
 
 
-def grpc_stream(url: str, inputs: list) -> tuple[int, Exception | None]:
-    """(data responses before the end, the error if one came) of one streamed request."""
-    events: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=lambda result, error: events.put((result, error)))
-    try:
-        client.async_stream_infer("llm", inputs, enable_empty_final_response=True)
-        count = 0
-        while True:
-            result, error = events.get(timeout=60)
-            if error is not None:
-                return count, error
-            response = result.get_response()
-            count += len(response.outputs) > 0
-            if response.parameters["triton_final_response"].bool_param:
-                return count, None
-    finally:
-        client.stop_stream()
-        client.close()
-
-
 def blocks_used(url: str) -> float:
     return scrape(url, "pagoda_kv_blocks", state="used")
 
@@ -104,12 +83,12 @@ def blocks_used(url: str) -> float:
 @pytest.mark.parametrize("inputs,field", [pytest.param(i, f, id=n) for n, i, f in TRITON_CASES])
 def test_triton_grpc_rejects_and_keeps_serving(triton, inputs, field):
     baseline = blocks_used(triton.metrics_url)
-    count, error = grpc_stream(triton.grpc_url, tensors(grpcclient, {"stream": True, **inputs}))
-    assert error is not None and count == 0
+    responses, error = collect(triton, tensors({"stream": True, **inputs}))
+    assert error is not None and not responses
     assert str(error).startswith(field) or f"'{field}'" in str(error), error   # a streamed error carries no code
-    count, error = grpc_stream(triton.grpc_url, tensors(grpcclient, {"text_input": "hello", "stream": True,
-                                                                     "sampling_parameters": GOOD}))
-    assert error is None and count == 2
+    responses, error = collect(triton, tensors({"text_input": "hello", "stream": True,
+                                                            "sampling_parameters": GOOD}))
+    assert error is None and sum("output_ids" in r for r in responses) == 2 and responses[-1]["final"]
     assert blocks_used(triton.metrics_url) == baseline
 
 
