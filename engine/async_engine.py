@@ -5,7 +5,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from engine.config import EngineConfig
 from engine.engine import Delta, Engine
@@ -21,7 +21,7 @@ class AsyncEngine:
         self.engine = engine or Engine(config)
         self.engine.on_delta = lambda d: self._deliver([d])
         self.inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
-        self.streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Delta]]] = {}
+        self.streams: dict[int, Callable[[Delta], None]] = {}
         self.wake = threading.Event()
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="pagoda-engine", daemon=True)
@@ -30,13 +30,9 @@ class AsyncEngine:
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> AsyncIterator[Delta]:
         """Stream deltas of one request; raises ValueError (naming the field) before the first delta on bad input.
         Closing the iterator early cancels the request."""
-        if self.stopping:
-            raise RuntimeError("engine: shutting down")
-        req = self.engine.make_request(prompt, params)
         deltas: asyncio.Queue[Delta] = asyncio.Queue()
-        self.streams[req.id] = (asyncio.get_running_loop(), deltas)
-        self.inbox.put(req)
-        self.wake.set()
+        loop = asyncio.get_running_loop()
+        request_id = self.submit(prompt, params, lambda d: loop.call_soon_threadsafe(deltas.put_nowait, d))
         finished = False
         try:
             while not finished:
@@ -45,8 +41,20 @@ class AsyncEngine:
                 yield delta
         finally:
             if not finished:
-                self.abort(req.id)
-            self.streams.pop(req.id, None)
+                self.abort(request_id)
+            self.streams.pop(request_id, None)
+
+    def submit(self, prompt: str | list[int], params: SamplingParams | None,
+               push: Callable[[Delta], None]) -> int:
+        """Queue a request whose deltas `push` receives on the engine thread (it must not block); returns its id.
+        Raises ValueError (naming the field) on bad input."""
+        if self.stopping:
+            raise RuntimeError("engine: shutting down")
+        req = self.engine.make_request(prompt, params)
+        self.streams[req.id] = push
+        self.inbox.put(req)
+        self.wake.set()
+        return req.id
 
     def abort(self, request_id: int) -> None:
         self.engine.abort(request_id)
@@ -88,7 +96,8 @@ class AsyncEngine:
 
     def _deliver(self, deltas: list[Delta]) -> None:
         for d in deltas:
-            target = self.streams.get(d.request_id)
-            if target is not None:
-                loop, q = target
-                loop.call_soon_threadsafe(q.put_nowait, d)
+            push = self.streams.get(d.request_id)
+            if push is not None:
+                if d.finished:
+                    del self.streams[d.request_id]
+                push(d)

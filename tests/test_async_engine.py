@@ -96,3 +96,21 @@ def test_shutdown_ends_streams(tiny_dir):
         return first, rest
     first, rest = asyncio.run(main())
     assert rest[-1].finished and rest[-1].finish_reason == "error" and "shut down" in rest[-1].error
+
+
+def test_submit_pushes_deltas_on_the_engine_thread_and_forgets_finished_streams(engine, tiny_dir):
+    import queue
+    import threading
+    got: queue.SimpleQueue = queue.SimpleQueue()
+    prompt = random_ids(30, seed=7)
+    rid = engine.submit(prompt, greedy(9), lambda d: got.put((threading.current_thread().name, d)))
+    deltas = []
+    while not deltas or not deltas[-1].finished:
+        thread, d = got.get(timeout=30)
+        assert thread == "pagoda-engine" and d.request_id == rid
+        deltas.append(d)
+    offline = LLM(model=tiny_dir, dtype="float32").generate([prompt], greedy(9))[0]
+    assert sum((d.token_ids for d in deltas), []) == offline.token_ids
+    assert rid not in engine.streams
+    with pytest.raises(ValueError, match="input_ids"):
+        engine.submit([10 ** 9], greedy(2), got.put)

@@ -1,10 +1,17 @@
-"""Decoupled Triton Python-backend model: streams tokens from Pagoda's asyncio engine."""
+"""Decoupled Triton Python-backend model: streams tokens from Pagoda's engine thread.
+
+The engine thread hands each delta to a queue; one responder thread turns deltas into responses and polls
+Triton for cancelled requests. No per-token asyncio hop: the responder holds the GIL as briefly as it can,
+since every moment it holds it the engine thread waits.
+"""
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
+import queue
 import threading
+import time
+from dataclasses import dataclass, field
 
 import triton_python_backend_utils as pb_utils
 
@@ -12,15 +19,28 @@ from engine import triton_io
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.metrics import Mirror
+from engine.request import Delta
 
 INPUT_NAMES = [name for name, *_ in triton_io.INPUTS]
 CANCEL_POLL_S = 0.05
+METRICS_SYNC_S = 0.5
+log = logging.getLogger("pagoda")
 
 
 class _TritonLog(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         (pb_utils.Logger.log_warn if record.levelno >= logging.WARNING else pb_utils.Logger.log_info)(
             self.format(record))
+
+
+@dataclass(slots=True, eq=False)
+class Stream:
+    sender: object
+    req: triton_io.TritonRequest
+    id: int = -1
+    done: bool = False
+    text: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
 
 
 class TritonPythonModel:
@@ -45,7 +65,6 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("llm: the model must be decoupled (model_transaction_policy)")
         params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
-        log = logging.getLogger("pagoda")
         if not any(isinstance(h, _TritonLog) for h in log.handlers):
             log.addHandler(_TritonLog())
         log.setLevel(logging.INFO)
@@ -55,86 +74,109 @@ class TritonPythonModel:
         labels = {"model": args["model_name"], "version": args["model_version"]}
         self.mirror = Mirror(self.engine.engine.metrics, pb_utils.MetricFamily, kinds, labels)
         self.mirror.sync()
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="pagoda-triton", daemon=True)
-        self.thread.start()
-        self.metrics_task = asyncio.run_coroutine_threadsafe(self._sync_metrics(), self.loop)
+        self.outbox: queue.SimpleQueue[tuple[Stream, Delta] | None] = queue.SimpleQueue()
+        self.active: set[Stream] = set()      # streams the responder polls for cancellation
+        self.responder = threading.Thread(target=self._respond, name="pagoda-responder", daemon=True)
+        self.responder.start()
         cfg = self.engine.engine.config
         log.info("pagoda: engine ready model=%s kv_storage=%s max_batch_size=%d lookahead=%s",
                  cfg.model, "paged" if cfg.paged else "dense", cfg.max_batch_size, cfg.use_lookahead)
 
     def execute(self, requests):
         for request in requests:
-            asyncio.run_coroutine_threadsafe(self._serve(request), self.loop)
+            self._start(request)
         return None
 
-    def finalize(self):
-        log = logging.getLogger("pagoda")
-        log.info("pagoda: finalize: stopping the engine")
-        self.engine.shutdown()
-        self.metrics_task.cancel()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=5)
-        log.info("pagoda: finalize: done")
-
-    async def _sync_metrics(self):
-        while True:
-            self.mirror.sync()
-            await asyncio.sleep(0.5)
-
-    async def _serve(self, request):
+    def _start(self, request) -> None:
         sender = request.get_response_sender()
+        stream = None
         try:
             inputs = {}
             for name in INPUT_NAMES:
                 tensor = pb_utils.get_input_tensor_by_name(request, name)
                 if tensor is not None:
                     inputs[name] = tensor.as_numpy()
-            req = triton_io.parse(inputs)
-            await self._stream(req, sender)
+            stream = Stream(sender, triton_io.parse(inputs))
+            self.active.add(stream)
+            stream.id = self.engine.submit(stream.req.prompt, stream.req.params,
+                                           lambda d, s=stream: self.outbox.put((s, d)))
         except ValueError as e:
+            self._forget(stream)
             self._fail(sender, triton_io.error_message(str(e)), pb_utils.TritonError.INVALID_ARG)
         except Exception as e:
-            logging.getLogger("pagoda").exception("request failed")
+            self._forget(stream)
+            log.exception("request failed")
             self._fail(sender, f"internal error: {e}", pb_utils.TritonError.INTERNAL)
-        finally:
-            self.mirror.sync()
 
-    async def _stream(self, req: triton_io.TritonRequest, sender) -> None:
-        deltas = self.engine.generate(req.prompt, req.params).__aiter__()
-        text, ids = [], []
+    def finalize(self):
+        log.info("pagoda: finalize: stopping the engine")
+        self.engine.shutdown()
+        self.outbox.put(None)
+        self.responder.join(timeout=5)
+        log.info("pagoda: finalize: done")
+
+    def _respond(self) -> None:
+        polled = synced = time.monotonic()
+        while True:
+            try:
+                item = self.outbox.get(timeout=CANCEL_POLL_S)
+            except queue.Empty:
+                item = ()
+            if item is None:
+                return
+            if item:
+                self._on_delta(*item)
+            now = time.monotonic()
+            if now - polled >= CANCEL_POLL_S:
+                polled = now
+                self._reap_cancelled()
+            if now - synced >= METRICS_SYNC_S:
+                synced = now
+                self.mirror.sync()
+
+    def _on_delta(self, stream: Stream, d: Delta) -> None:
+        if stream.done:
+            return
         try:
-            while True:
-                nxt = asyncio.ensure_future(deltas.__anext__())
-                while not nxt.done():
-                    await asyncio.wait({nxt}, timeout=CANCEL_POLL_S)
-                    if not nxt.done() and sender.is_cancelled():
-                        nxt.cancel()
-                d = await nxt if not nxt.cancelled() else None
-                if d is None or sender.is_cancelled():
-                    self._fail(sender, "request cancelled", pb_utils.TritonError.CANCELLED)
-                    return
-                if d.finish_reason in ("error", "abort"):
-                    self._fail(sender, d.error or "request aborted", pb_utils.TritonError.INTERNAL)
-                    return
-                if req.stream:
-                    self._send(sender, req, d.text, d.token_ids, d)
-                else:
-                    text.append(d.text)
-                    ids.extend(d.token_ids)
-                    if d.finished:
-                        prefix = req.prompt if req.prepend_input else ""
-                        self._send(sender, req, prefix + "".join(text), ids, d)
+            if d.finished:
+                self._forget(stream)
+                self.mirror.sync()
+            if d.finish_reason in ("error", "abort"):
+                self._fail(stream.sender, d.error or "request aborted", pb_utils.TritonError.INTERNAL)
+            elif stream.req.stream:
+                self._send(stream, d.text, d.token_ids, d)
+            else:
+                stream.text.append(d.text)
+                stream.ids.extend(d.token_ids)
                 if d.finished:
-                    return
-        finally:
-            await deltas.aclose()       # a request that did not finish is aborted and its KV freed
+                    prefix = stream.req.prompt if stream.req.prepend_input else ""
+                    self._send(stream, prefix + "".join(stream.text), stream.ids, d)
+        except Exception:
+            log.exception("could not send a response")
+            self._cancel(stream)
 
-    def _send(self, sender, req, text, ids, d) -> None:
-        arrays = triton_io.outputs(text, ids, req.extras, d.finish_reason, d.num_prompt_tokens,
+    def _reap_cancelled(self) -> None:
+        for stream in list(self.active):
+            if stream.id >= 0 and not stream.done and stream.sender.is_cancelled():
+                self._cancel(stream)
+                self._fail(stream.sender, "request cancelled", pb_utils.TritonError.CANCELLED)
+
+    def _cancel(self, stream: Stream) -> None:
+        """End a stream the client left: the engine aborts it and frees its KV within one step."""
+        self._forget(stream)
+        self.engine.abort(stream.id)
+
+    def _forget(self, stream: Stream | None) -> None:
+        if stream is not None:
+            stream.done = True
+            self.active.discard(stream)
+
+    @staticmethod
+    def _send(stream: Stream, text: str, ids: list[int], d: Delta) -> None:
+        arrays = triton_io.outputs(text, ids, stream.req.extras, d.finish_reason, d.num_prompt_tokens,
                                    d.num_output_tokens, d.cached_tokens)
         response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in arrays.items()])
-        sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if d.finished else 0)
+        stream.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if d.finished else 0)
 
     @staticmethod
     def _fail(sender, message: str, code) -> None:
@@ -142,4 +184,4 @@ class TritonPythonModel:
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)),
                         flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception:       # the client may be gone already
-            logging.getLogger("pagoda").warning("could not send the error response: %s", message)
+            log.warning("could not send the error response: %s", message)
