@@ -78,10 +78,13 @@ class TorchRunner:
     def forward(self, rows: list[Row], prev: Step | None) -> Step:
         ids, positions, chained, last = flatten(rows)
         dev = self.device
-        ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
-        if chained:
-            dst, src = zip(*chained)
-            ids_t[list(dst)] = prev.tokens[list(src)]
+        if len(chained) == len(ids) and all(s == i for i, (_, s) in enumerate(chained)):
+            ids_t = prev.tokens[:len(ids)]          # every row continues the previous step's row in order
+        else:
+            ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
+            if chained:
+                dst, src = zip(*chained)
+                ids_t[list(dst)] = prev.tokens[list(src)]
         if rows[0].buf >= 0:
             attn = torch_attention.dense(self.dense, rows, self.scale)
         else:
@@ -89,10 +92,13 @@ class TorchRunner:
         hidden = self.model(ids_t, torch.tensor(positions, dtype=torch.long, device=dev), attn)
         self.tokens_computed += len(ids)
         picked = [i for i, r in enumerate(rows) if r.sample]
-        tokens = torch.full((len(rows),), -1, dtype=torch.long, device=dev)
-        if picked:
-            logits = self.model.logits(hidden[[last[i] for i in picked]])
-            tokens[picked] = sample(logits, [rows[i] for i in picked], self.generator_for)
+        if len(picked) == len(rows) == len(ids):      # decode: one token per row, every row samples
+            tokens = sample(self.model.logits(hidden), rows, self.generator_for)
+        else:
+            tokens = torch.full((len(rows),), -1, dtype=torch.long, device=dev)
+            if picked:
+                logits = self.model.logits(hidden[[last[i] for i in picked]])
+                tokens[picked] = sample(logits, [rows[i] for i in picked], self.generator_for)
         step = Step(tokens)
         if dev.type == "cuda":
             step.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
