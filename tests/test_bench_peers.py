@@ -16,5 +16,10 @@ def test_rows_carry_ratio_and_goal(tmp_path):
     assert (tmp_path / "peers.png").stat().st_size > 5_000
 
 
-def test_aggregate_counts_tokens_after_every_request_has_started():
-    assert bench_peers.aggregate("tiny", 2, 12, threads=1) > 0
+def test_aggregate_counts_tokens_after_every_request_has_started(tiny_dir):
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    engine = Engine(EngineConfig(model=tiny_dir, max_batch_size=4, kv_storage="paged", num_threads=1))
+    assert bench_peers.aggregate(engine, 2, 12) > 0
+    assert bench_peers.aggregate(engine, 4, 12) > 0      # the engine is reused across rounds
+    assert not engine.has_work and engine.pool.num_used == 0
