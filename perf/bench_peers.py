@@ -2,7 +2,8 @@
 
     python perf/bench_peers.py [--quick] [--out perf/results]
 1. in-process decode tok/s, LLM vs transformers generate: qwen2.5-0.5b fp32 and bf16, and tiny (per-token overhead)
-2. the memory roofline: read bandwidth of a >= 1 GiB tensor sum / bytes of weights read per token
+2. the memory roofline: read bandwidth of a >= 1 GiB tensor sum / bytes of weights read per token, and the
+   ceiling torch's own GEMV allows (F.linear of one token over every weight matrix, nothing else)
 3. aggregate decode tok/s at concurrency 1, 2, 4 (paged, in process)
 4. lookahead vs PAGODA_FORCE_SYNC, torch and MLX runners
 5. decode tok/s through tritonserver gRPC streaming vs in process, same model and threads
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                 1.0),
                             row("in-process vs transformers", "tiny fp32", *in_process("tiny", "float32", small_n,
                                                                                        small_reps, t), 2.5)]),
-        ("roofline", lambda: [roofline_row(big, t, n, reps)]),
+        ("roofline", lambda: roofline_rows(big, t, n, reps)),
         ("concurrency", lambda: concurrency_rows(t, small_n, small_reps)),
         ("lookahead", lambda: [row("lookahead vs sync", "torch small", *lookahead("small", "torch", small_n,
                                                                                  small_reps, t), 0.98),
@@ -196,12 +197,32 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return rows
 
 
-def roofline_row(preset: str, threads: int, tokens: int, repeats: int) -> dict:
+def gemv_ceiling(engine: Engine, repeats: int = 5) -> float:
+    """tok/s if decode did nothing but torch's own F.linear of one token over every weight matrix once:
+    what the GEMV torch ships reaches on this machine, the ceiling any torch-eager engine decodes under."""
+    model = engine.runner.model
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    weights.append(model.embed.weight if model.lm_head is None else model.lm_head.weight)
+    xs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights}
+    passes = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            for w in weights:
+                torch.nn.functional.linear(xs[w.shape[1]], w)
+            passes.append(time.perf_counter() - t)
+    return 1 / statistics.median(passes[1:])
+
+
+def roofline_rows(preset: str, threads: int, tokens: int, repeats: int) -> list[dict]:
     engine = Engine(EngineConfig(model=str(cached_model(preset)), dtype="float32", num_threads=threads))
     r = roofline(engine, threads)
     greedy_run(engine, prompt_ids(), 8)
     rate = statistics.median(greedy_run(engine, prompt_ids(), tokens)[1] for _ in range(repeats))
-    return row("memory roofline", f"{preset} fp32 ({r['bandwidth_gbs']:.1f} GB/s)", rate, r["roofline_tok_s"], 0.90)
+    gemv = gemv_ceiling(engine)
+    gemv_gbs = gemv * r["weight_bytes"] / 1e9
+    return [row("memory roofline", f"{preset} fp32 ({r['bandwidth_gbs']:.1f} GB/s)", rate, r["roofline_tok_s"], 0.90),
+            row("memory roofline", f"torch GEMV ceiling ({gemv_gbs:.1f} GB/s)", rate, gemv, 0.90)]
 
 
 def concurrency_rows(threads: int, tokens: int, repeats: int) -> list[dict]:

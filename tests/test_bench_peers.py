@@ -23,3 +23,18 @@ def test_aggregate_counts_tokens_after_every_request_has_started(tiny_dir):
     assert bench_peers.aggregate(engine, 2, 12) > 0
     assert bench_peers.aggregate(engine, 4, 12) > 0      # the engine is reused across rounds
     assert not engine.has_work and engine.pool.num_used == 0
+
+
+def test_gemv_ceiling_reads_every_weight_matrix(tiny_dir, monkeypatch):
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    engine = Engine(EngineConfig(model=tiny_dir, dtype="float32", num_threads=1))
+    seen = []
+    real = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w, *a: seen.append(w.shape) or real(x, w, *a))
+    assert bench_peers.gemv_ceiling(engine, repeats=1) > 0
+    model = engine.runner.model
+    per_pass = 4 * len(model.layers) + 1                  # qkv, o, gate_up, down per layer, and the lm_head
+    assert len(seen) == 2 * per_pass and torch.Size(model.embed.weight.shape) in seen
