@@ -201,8 +201,9 @@ def gemv_ceiling(engine: Engine, repeats: int = 5) -> float:
     """tok/s if decode did nothing but torch's own F.linear of one token over every weight matrix once:
     what the GEMV torch ships reaches on this machine, the ceiling any torch-eager engine decodes under."""
     model = engine.runner.model
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    weights.append(model.embed.weight if model.lm_head is None else model.lm_head.weight)
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]   # lm_head too when untied
+    if model.lm_head is None:
+        weights.append(model.embed.weight)
     xs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights}
     passes = []
     with torch.inference_mode():

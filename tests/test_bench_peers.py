@@ -37,4 +37,4 @@ def test_gemv_ceiling_reads_every_weight_matrix(tiny_dir, monkeypatch):
     assert bench_peers.gemv_ceiling(engine, repeats=1) > 0
     model = engine.runner.model
     per_pass = 4 * len(model.layers) + 1                  # qkv, o, gate_up, down per layer, and the lm_head
-    assert len(seen) == 2 * per_pass and torch.Size(model.embed.weight.shape) in seen
+    assert len(seen) == 2 * per_pass and torch.Size(model.embed.weight.shape) in seen   # the head, [V, H]
