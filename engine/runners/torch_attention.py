@@ -12,11 +12,6 @@ def paged(ops: KernelOps, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: li
           device: torch.device):
     """k_cache/v_cache [layers, num_blocks, block_size, n_kv, hd]; `ops` are the reference ops or the kernels."""
     CALLS[ops.name] += 1
-    if len(rows) == 1 and rows[0].length == 1 and ops.name == "reference":
-        row, bs = rows[0], k_cache.shape[2]
-        first = run_start(row.block_table, -(-(row.start + 1) // bs))
-        if first >= 0:
-            return _decode_run(k_cache, v_cache, row, first * bs, scale)
     slots = torch.tensor([s for r in rows for s in r.slots], dtype=torch.long, device=device)
     if all(r.length == 1 for r in rows):
         width = max(len(r.block_table) for r in rows)
@@ -40,25 +35,6 @@ def paged(ops: KernelOps, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: li
                 for (o, n, start), table in zip(parts, tables)]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
     return prefill
-
-
-def run_start(table: list[int], n: int) -> int:
-    """The first block id when the first `n` blocks of a table are consecutive ids (one run), else -1."""
-    first = table[0]
-    return first if table[n - 1] == first + n - 1 and table[:n] == list(range(first, first + n)) else -1
-
-
-def _decode_run(k_cache: torch.Tensor, v_cache: torch.Tensor, row: Row, lo: int, scale: float):
-    """One sequence whose blocks form one run: its KV is a slice of the flat cache, attended without a gather."""
-    k_flat = k_cache.flatten(1, 2)          # [layers, num_blocks * block_size, n_kv, hd], a view
-    v_flat = v_cache.flatten(1, 2)
-    slot, hi = row.slots[0], lo + row.start + 1
-
-    def decode(layer: int, q, k, v):
-        k_flat[layer, slot] = k[0]
-        v_flat[layer, slot] = v[0]
-        return ref.causal_attention(q, k_flat[layer, lo:hi], v_flat[layer, lo:hi], row.start, scale)
-    return decode
 
 
 def dense(buffers: dict[int, torch.Tensor], rows: list[Row], scale: float):
