@@ -27,6 +27,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-threads", type=int, default=d.num_threads)
     p.add_argument("--attention", default=d.attention, choices=["auto", "triton", "reference"])
     p.add_argument("--contiguous-blocks", type=_bool, default=d.contiguous_blocks)
+    p.add_argument("--compile", type=_bool, default=d.compile, help="torch.compile the paged decode step")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -35,7 +36,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         num_kv_blocks=args.num_kv_blocks, prompt_cache=args.prompt_cache, lookahead=args.lookahead,
                         prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
                         num_threads=args.num_threads, attention=args.attention,
-                        contiguous_blocks=args.contiguous_blocks)
+                        contiguous_blocks=args.contiguous_blocks, compile=args.compile)
 
 
 def _bool(text: str) -> bool:

@@ -27,6 +27,7 @@ class EngineConfig:
     seed: int = 0                     # seed of the embedded default model
     num_threads: int = 0              # CPU threads for the model's ops; 0: the framework's default
     attention: str = "auto"           # torch runner's KV ops: auto (triton on CUDA, else reference) | triton | reference
+    compile: bool = False             # torch runner, paged: torch.compile the decode step (each new shape compiles once)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -38,6 +39,8 @@ class EngineConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.compile and self.runner != "torch":
+            raise ValueError(f"compile: only the torch runner compiles, got runner {self.runner!r}")
         for name in ("max_batch_size", "block_size", "prefill_chunk", "max_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")

@@ -1,7 +1,8 @@
 """Pagoda next to its peers, in one run on this machine: every row is a ratio Pagoda / peer with its goal.
 
     python perf/bench_peers.py [--quick] [--out perf/results]
-1. in-process decode tok/s, LLM vs transformers generate: qwen2.5-0.5b fp32 and bf16, and tiny (per-token overhead)
+1. in-process decode tok/s, LLM vs transformers generate: qwen2.5-0.5b fp32 and bf16, and tiny (per-token overhead),
+   eager and with the decode step compiled (--compile)
 2. the memory roofline: read bandwidth of a >= 1 GiB tensor sum / bytes of weights read per token, and the
    ceiling torch's own GEMV allows (F.linear of one token over every weight matrix, nothing else)
 3. aggregate decode tok/s at concurrency 1, 2, 4 (paged, in process)
@@ -48,11 +49,12 @@ def median_pair(a, b, repeats: int) -> tuple[float, float]:
     return statistics.median(xs), statistics.median(ys)
 
 
-def in_process(preset: str, dtype: str, tokens: int, repeats: int, threads: int) -> tuple[float, float]:
+def in_process(preset: str, dtype: str, tokens: int, repeats: int, threads: int,
+               compile: bool = False) -> tuple[float, float]:
     model = str(cached_model(preset))
-    engine = Engine(EngineConfig(model=model, dtype=dtype, num_threads=threads))
+    engine = Engine(EngineConfig(model=model, dtype=dtype, num_threads=threads, compile=compile))
     p = prompt_ids()
-    greedy_run(engine, p, 8), transformers_rate(model, dtype, p, 8)                 # warm-up
+    greedy_run(engine, p, tokens if compile else 8), transformers_rate(model, dtype, p, 8)     # warm-up, compile
     return median_pair(lambda: greedy_run(engine, p, tokens)[1], lambda: transformers_rate(model, dtype, p, tokens),
                        repeats)
 
@@ -170,7 +172,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                             row("in-process vs transformers", f"{big} bf16", *in_process(big, "bfloat16", n, reps, t),
                                 1.0),
                             row("in-process vs transformers", "tiny fp32", *in_process("tiny", "float32", small_n,
-                                                                                       small_reps, t), 2.5)]),
+                                                                                       small_reps, t), 2.5),
+                            row("in-process vs transformers", "tiny fp32, --compile",
+                                *in_process("tiny", "float32", small_n, small_reps, t, compile=True), 2.5)]),
         ("roofline", lambda: roofline_rows(big, t, n, reps)),
         ("concurrency", lambda: concurrency_rows(t, small_n, small_reps)),
         ("lookahead", lambda: [row("lookahead vs sync", "torch small", *lookahead("small", "torch", small_n,

@@ -11,7 +11,8 @@ if TYPE_CHECKING:
 def make_runner(config: "EngineConfig", model_dir: str) -> "ModelRunner":
     if config.runner == "torch":
         from engine.runners.torch_runner import TorchRunner
-        return TorchRunner(model_dir, config.dtype, config.device, config.num_threads, config.attention)
+        return TorchRunner(model_dir, config.dtype, config.device, config.num_threads, config.attention,
+                           config.compile)
     if config.runner == "mlx":
         try:
             from engine.runners.mlx_runner import MLXRunner

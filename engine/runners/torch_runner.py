@@ -10,6 +10,7 @@ from engine import kernels
 from engine.models.loader import load_model
 from engine.runners import torch_attention
 from engine.runners.base import Geometry, Row, flatten
+from engine.runners.torch_compiled import CompiledDecode
 from engine.runners.torch_sampler import sample
 
 
@@ -22,7 +23,7 @@ class Step:
 
 class TorchRunner:
     def __init__(self, model_dir: str | Path, dtype: str = "auto", device: str = "auto", num_threads: int = 0,
-                 attention: str = "auto") -> None:
+                 attention: str = "auto", compile: bool = False) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
         if device == "auto":
@@ -42,11 +43,15 @@ class TorchRunner:
         self.generators: dict[int, torch.Generator] = {}
         self.default_generator = torch.Generator(self.device).manual_seed(0)
         self.tokens_computed = 0
+        self.compile = compile
+        self.compiled: CompiledDecode | None = None
 
     def init_paged(self, num_blocks: int, block_size: int) -> None:
         shape = (self.layers, num_blocks, block_size, *self.kv_shape)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.compile:
+            self.compiled = CompiledDecode(self.model, self.k_cache, self.v_cache, self.scale)
 
     def dense_alloc(self, capacity: int) -> int:
         buf, self.next_buf = self.next_buf, self.next_buf + 1
@@ -85,6 +90,10 @@ class TorchRunner:
             if chained:
                 dst, src = zip(*chained)
                 ids_t[list(dst)] = prev.tokens[list(src)]
+        if self.compiled is not None and rows[0].buf < 0 and len(ids) == len(rows) and all(r.sample for r in rows):
+            tokens = sample(self.compiled(ids_t, rows), rows, self.generator_for)
+            self.tokens_computed += len(ids)
+            return self._finish(tokens)
         if rows[0].buf >= 0:
             attn = torch_attention.dense(self.dense, rows, self.scale)
         else:
@@ -99,7 +108,11 @@ class TorchRunner:
             if picked:
                 logits = self.model.logits(hidden[[last[i] for i in picked]])
                 tokens[picked] = sample(logits, [rows[i] for i in picked], self.generator_for)
+        return self._finish(tokens)
+
+    def _finish(self, tokens: torch.Tensor) -> Step:
         step = Step(tokens)
+        dev = self.device
         if dev.type == "cuda":
             step.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             step.host.copy_(tokens, non_blocking=True)

@@ -1,0 +1,55 @@
+"""The paged decode step as one torch.compile'd graph: embed, every layer, KV write, attention and logits.
+
+Eager decode of a small model is bound by per-op dispatch (hundreds of aten calls a step); compiled, the step is
+a handful of fused kernels. Inputs are tensors only (ids, positions, slots, the block tables cut to the blocks in
+use, lengths), so one graph serves every step; batch and table width are dynamic.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.models.qwen2 import Qwen2
+from engine.runners.base import Row
+
+
+class CompiledDecode:
+    def __init__(self, model: Qwen2, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> None:
+        self.model, self.k_cache, self.v_cache, self.scale = model, k_cache, v_cache, scale
+        self.fn = torch.compile(self.step, dynamic=True, fullgraph=True)
+
+    def __call__(self, ids: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+        """Logits [B, V] of a decode step, one token per row (paged); `ids` are the input tokens on the device."""
+        dev, bs = ids.device, self.k_cache.shape[2]
+        width = -(-max(r.start + 1 for r in rows) // bs)          # blocks in use, not the tables' headroom
+        tables = torch.tensor([r.block_table[:width] + [0] * (width - min(width, len(r.block_table))) for r in rows],
+                              dtype=torch.long, device=dev)
+        positions = torch.tensor([r.start for r in rows], dtype=torch.long, device=dev)
+        slots = torch.tensor([r.slots[0] for r in rows], dtype=torch.long, device=dev)
+        # The caches go in flat, [layers * num_blocks * block_size, n_kv, hd], so the graph writes new K/V into its
+        # input in place: a write through a view of an input makes inductor copy the whole cache back each step.
+        return self.fn(self.k_cache.view(-1, *self.k_cache.shape[3:]), self.v_cache.view(-1, *self.v_cache.shape[3:]),
+                       ids, positions, slots, tables, positions + 1)
+
+    def step(self, k_flat, v_flat, ids, positions, slots, tables, seq_lens) -> torch.Tensor:
+        """Logits [B, V] (fp32) of one decode token per row; writes each row's new K/V at its slot."""
+        m = self.model
+        layers, blocks, bs = self.k_cache.shape[:3]
+        per_layer = blocks * bs
+        ctx = tables.shape[1] * bs
+        gqa = m.cfg.num_attention_heads != m.cfg.num_key_value_heads
+        visible = (torch.arange(ctx, device=ids.device)[None, :] < seq_lens[:, None])[:, None, None, :]
+        gather = (tables[:, :, None] * bs + torch.arange(bs, device=ids.device)).flatten(1)    # [B, ctx] slots
+
+        def attend(layer: int, q, k, v):
+            base = layer * per_layer
+            k_flat.index_put_((slots + base,), k)
+            v_flat.index_put_((slots + base,), v)
+            keys = k_flat[gather + base]                  # [B, ctx, n_kv, hd]
+            values = v_flat[gather + base]
+            out = F.scaled_dot_product_attention(q[:, :, None], keys.transpose(1, 2), values.transpose(1, 2),
+                                                 attn_mask=visible, scale=self.scale,
+                                                 enable_gqa=gqa)
+            return out[:, :, 0]
+        return m.logits(m.forward(ids, positions, attend))
+
