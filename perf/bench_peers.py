@@ -166,16 +166,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     small_n, small_reps = (16, 1) if args.quick else (128, 5)
     big = "tiny" if args.quick else "qwen2.5-0.5b"
     t = args.threads
+    compiled: dict[str, tuple[float, float]] = {}
+
+    def big_compiled() -> dict:
+        compiled[big] = in_process(big, "float32", n, reps, t, compile=True)
+        return row("in-process vs transformers", f"{big} fp32, --compile", *compiled[big], 1.05)
+
     steps = [
         ("decode", lambda: [row("in-process vs transformers", f"{big} fp32", *in_process(big, "float32", n, reps, t),
                                 1.05),
+                            big_compiled(),
                             row("in-process vs transformers", f"{big} bf16", *in_process(big, "bfloat16", n, reps, t),
                                 1.0),
                             row("in-process vs transformers", "tiny fp32", *in_process("tiny", "float32", small_n,
                                                                                        small_reps, t), 2.5),
                             row("in-process vs transformers", "tiny fp32, --compile",
                                 *in_process("tiny", "float32", small_n, small_reps, t, compile=True), 2.5)]),
-        ("roofline", lambda: roofline_rows(big, t, n, reps)),
+        ("roofline", lambda: roofline_rows(big, t, n, reps, compiled.get(big, (0.0, 0.0))[0])),
         ("concurrency", lambda: concurrency_rows(t, small_n, small_reps)),
         ("lookahead", lambda: [row("lookahead vs sync", "torch small", *lookahead("small", "torch", small_n,
                                                                                  small_reps, t), 0.98),
@@ -219,7 +226,7 @@ def gemv_ceiling(engine: Engine, repeats: int = 5) -> float:
     return 1 / statistics.median(passes[1:])
 
 
-def roofline_rows(preset: str, threads: int, tokens: int, repeats: int) -> list[dict]:
+def roofline_rows(preset: str, threads: int, tokens: int, repeats: int, compiled_rate: float = 0.0) -> list[dict]:
     engine = Engine(EngineConfig(model=str(cached_model(preset)), dtype="float32", num_threads=threads))
     r = roofline(engine, threads)
     greedy_run(engine, prompt_ids(), 8)
@@ -227,7 +234,8 @@ def roofline_rows(preset: str, threads: int, tokens: int, repeats: int) -> list[
     gemv = gemv_ceiling(engine)
     gemv_gbs = gemv * r["weight_bytes"] / 1e9
     return [row("memory roofline", f"{preset} fp32 ({r['bandwidth_gbs']:.1f} GB/s)", rate, r["roofline_tok_s"], 0.90),
-            row("memory roofline", f"torch GEMV ceiling ({gemv_gbs:.1f} GB/s)", rate, gemv, 0.90)]
+            row("memory roofline", f"torch GEMV ceiling ({gemv_gbs:.1f} GB/s)", rate, gemv, 0.90),
+            row("memory roofline", f"{preset} fp32, --compile", compiled_rate, r["roofline_tok_s"], 0.90)]
 
 
 def concurrency_rows(threads: int, tokens: int, repeats: int) -> list[dict]:
