@@ -106,10 +106,13 @@ class MLXRunner:
     def forward(self, rows: list[Row], prev: Step | None) -> Step:
         with mx.stream(self._stream()):
             ids, positions, chained, last = flatten(rows)
-            ids_a = mx.array(ids, dtype=mx.int32)
-            if chained:
-                dst, src = zip(*chained)
-                ids_a[mx.array(dst)] = prev.tokens[mx.array(src)]
+            if len(chained) == len(ids) and all(s == i for i, (_, s) in enumerate(chained)):
+                ids_a = prev.tokens[:len(ids)]      # every row continues the previous step's row in order
+            else:
+                ids_a = mx.array(ids, dtype=mx.int32)
+                if chained:
+                    dst, src = zip(*chained)
+                    ids_a[mx.array(dst)] = prev.tokens[mx.array(src)]
             if rows[0].buf >= 0:
                 attn = mlx_attention.dense(self.dense, rows, self.scale)
             else:
@@ -118,7 +121,8 @@ class MLXRunner:
             self.tokens_computed += len(ids)
             picked = [i for i, r in enumerate(rows) if r.sample]
             if len(picked) == len(rows):            # every decode step: no scatter into a -1 filled array
-                tokens = self._sample(self.model.logits(hidden[mx.array(last)]), rows)
+                last_hidden = hidden if len(ids) == len(rows) else hidden[mx.array(last)]
+                tokens = self._sample(self.model.logits(last_hidden), rows)
             else:
                 tokens = mx.full((len(rows),), -1, dtype=mx.int32)
                 if picked:
