@@ -137,6 +137,7 @@ class TritonPythonModel:
     def _on_delta(self, stream: Stream, d: Delta) -> None:
         if stream.done:
             return
+        stream.id = d.request_id        # a first delta can beat submit() returning the id to _start
         try:
             if d.finished:
                 self._forget(stream)
