@@ -89,3 +89,11 @@ def test_cancel_with_step_in_flight(tiny_dir):
     assert deltas[-1].finished and deltas[-1].finish_reason == "abort"
     assert eng.kv.stats()["used"] == 0
     assert eng.metrics.value("pagoda_requests_total", status="cancelled") == 1
+
+
+def test_in_order_only_when_every_input_is_the_same_rows_previous_token():
+    from engine.runners.base import Row, flatten, in_order
+    steady = [Row(0, 40, [], prev=0), Row(1, 50, [], prev=1)]
+    assert in_order(flatten(steady)[2], 2)
+    assert not in_order(flatten([Row(0, 40, [], prev=1), Row(1, 50, [], prev=0)])[2], 2)   # rows reordered
+    assert not in_order(flatten([Row(0, 40, [], prev=0), Row(1, 50, [7])])[2], 2)          # a row from the host

@@ -71,6 +71,11 @@ def spans(rows: list[Row]) -> list[tuple[int, int, int]]:
     return out
 
 
+def in_order(chained: list[tuple[int, int]], n: int) -> bool:
+    """Whether all `n` flat inputs are the previous step's tokens, row i taking row i's (steady decode)."""
+    return len(chained) == n and all(src == i for i, (_, src) in enumerate(chained))
+
+
 def flatten(rows: list[Row]) -> tuple[list[int], list[int], list[tuple[int, int]], list[int]]:
     """One step's rows as flat token ids (0 where the previous step's token goes), their positions,
     (flat index, previous-step row) pairs to fill on the device, and each row's last flat index."""

@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from engine.models.qwen2_mlx import load_mlx
 from engine.runners import mlx_attention
-from engine.runners.base import Geometry, Row, flatten
+from engine.runners.base import Geometry, Row, flatten, in_order
 from engine.sampling import SamplingParams
 
 
@@ -106,8 +106,8 @@ class MLXRunner:
     def forward(self, rows: list[Row], prev: Step | None) -> Step:
         with mx.stream(self._stream()):
             ids, positions, chained, last = flatten(rows)
-            if len(chained) == len(ids) and all(s == i for i, (_, s) in enumerate(chained)):
-                ids_a = prev.tokens[:len(ids)]      # every row continues the previous step's row in order
+            if in_order(chained, len(ids)):
+                ids_a = prev.tokens[:len(ids)]
             else:
                 ids_a = mx.array(ids, dtype=mx.int32)
                 if chained:

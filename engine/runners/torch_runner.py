@@ -9,7 +9,7 @@ import torch
 from engine import kernels
 from engine.models.loader import load_model
 from engine.runners import torch_attention
-from engine.runners.base import Geometry, Row, flatten
+from engine.runners.base import Geometry, Row, flatten, in_order
 from engine.runners.torch_compiled import CompiledDecode
 from engine.runners.torch_sampler import sample
 
@@ -83,8 +83,8 @@ class TorchRunner:
     def forward(self, rows: list[Row], prev: Step | None) -> Step:
         ids, positions, chained, last = flatten(rows)
         dev = self.device
-        if len(chained) == len(ids) and all(s == i for i, (_, s) in enumerate(chained)):
-            ids_t = prev.tokens[:len(ids)]          # every row continues the previous step's row in order
+        if in_order(chained, len(ids)):
+            ids_t = prev.tokens[:len(ids)]
         else:
             ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
             if chained:
