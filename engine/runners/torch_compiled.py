@@ -58,4 +58,3 @@ class CompiledDecode:
                                                  enable_gqa=gqa)
             return out[:, :, 0]
         return m.logits(m.forward(ids, positions, attend))
-

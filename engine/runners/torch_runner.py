@@ -90,20 +90,19 @@ class TorchRunner:
             if chained:
                 dst, src = zip(*chained)
                 ids_t[list(dst)] = prev.tokens[list(src)]
-        if self.compiled is not None and rows[0].buf < 0 and len(ids) == len(rows) and all(r.sample for r in rows):
-            tokens = sample(self.compiled(ids_t, rows), rows, self.generator_for)
-            self.tokens_computed += len(ids)
-            return self._finish(tokens)
+        self.tokens_computed += len(ids)
+        decode = len(ids) == len(rows) and all(r.sample for r in rows)     # one token per row, every row samples
+        if decode and self.compiled is not None and rows[0].buf < 0:
+            return self._finish(sample(self.compiled(ids_t, rows), rows, self.generator_for))
         if rows[0].buf >= 0:
             attn = torch_attention.dense(self.dense, rows, self.scale)
         else:
             attn = torch_attention.paged(self.ops, self.k_cache, self.v_cache, rows, self.scale, dev)
         hidden = self.model(ids_t, torch.tensor(positions, dtype=torch.long, device=dev), attn)
-        self.tokens_computed += len(ids)
-        picked = [i for i, r in enumerate(rows) if r.sample]
-        if len(picked) == len(rows) == len(ids):      # decode: one token per row, every row samples
+        if decode:
             tokens = sample(self.model.logits(hidden), rows, self.generator_for)
         else:
+            picked = [i for i, r in enumerate(rows) if r.sample]
             tokens = torch.full((len(rows),), -1, dtype=torch.long, device=dev)
             if picked:
                 logits = self.model.logits(hidden[[last[i] for i in picked]])
