@@ -29,6 +29,16 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose calls of a few rows (decode) go to a GEMV kernel when the runner gives it one."""
+    gemv = None                       # Callable (x, weight, bias) -> y with a `max_rows`; see Qwen2.use_gemv
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv is not None and x.shape[0] <= self.gemv.max_rows:
+            return self.gemv(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
 class Rope(nn.Module):
     def __init__(self, head_dim: int, max_pos: int, theta: float) -> None:
         super().__init__()
@@ -55,10 +65,10 @@ class Layer(nn.Module):
         super().__init__()
         hd = cfg.head_dim
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
-        self.qkv = nn.Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * hd, bias=True)
-        self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=False)
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.qkv = Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * hd, bias=True)
+        self.o_proj = Linear(self.n_heads * hd, cfg.hidden_size, bias=False)
+        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -82,7 +92,8 @@ class Qwen2(nn.Module):
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = Rope(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head_gemv = None
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
         x = F.embedding(ids, self.embed.weight)
@@ -93,4 +104,14 @@ class Qwen2(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        if self.head_gemv is not None and hidden.shape[0] <= self.head_gemv.max_rows:
+            return self.head_gemv(hidden, weight)
         return F.linear(hidden, weight).float()
+
+    def use_gemv(self, gemv) -> None:
+        """Route decode's projections and logits to `gemv` where `gemv.fits(weight)`; None: torch for all."""
+        for mod in self.modules():
+            if isinstance(mod, Linear):
+                mod.gemv = gemv if gemv is not None and gemv.fits(mod.weight) else None
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        self.head_gemv = gemv if gemv is not None and gemv.fits(head) else None

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from engine import kernels
+from engine.kernels import cpu_gemv
 from engine.models.loader import load_model
 from engine.runners import torch_attention
 from engine.runners.base import Geometry, Row, flatten, in_order
@@ -45,6 +46,11 @@ class TorchRunner:
         self.tokens_computed = 0
         self.compile = compile
         self.compiled: CompiledDecode | None = None
+        # fp32 decode on a CPU: projections and logits through the bandwidth-bound GEMV (not inside a compiled graph)
+        self.gemv = None
+        if self.device.type == "cpu" and self.dtype == torch.float32 and not compile:
+            self.gemv = cpu_gemv.load(torch.get_num_threads())
+            self.model.use_gemv(self.gemv)
 
     def init_paged(self, num_blocks: int, block_size: int) -> None:
         shape = (self.layers, num_blocks, block_size, *self.kv_shape)
