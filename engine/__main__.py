@@ -25,7 +25,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk)
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument("--num-threads", type=int, default=d.num_threads)
-    p.add_argument("--attention", default=d.attention, choices=["auto", "triton", "reference"])
+    p.add_argument("--attention", default=d.attention, choices=["auto", "triton", "reference", "cpu"])
     p.add_argument("--contiguous-blocks", type=_bool, default=d.contiguous_blocks)
     p.add_argument("--compile", type=_bool, default=d.compile, help="torch.compile the paged decode step")
 

@@ -26,7 +26,8 @@ class EngineConfig:
     max_model_len: int = 0            # 0: the checkpoint's max_position_embeddings
     seed: int = 0                     # seed of the embedded default model
     num_threads: int = 0              # CPU threads for the model's ops; 0: the framework's default
-    attention: str = "auto"           # torch runner's KV ops: auto (triton on CUDA, else reference) | triton | reference
+    attention: str = "auto"           # torch runner's KV ops: triton | reference | cpu (fp32 on CPU, C decode step);
+    #                                   auto: triton on CUDA, cpu for fp32 on a CPU that builds it, else reference
     compile: bool = False             # torch runner, paged: torch.compile the decode step (each new shape compiles once)
 
     def __post_init__(self) -> None:
@@ -35,7 +36,7 @@ class EngineConfig:
     def validate(self) -> None:
         choices = {"runner": ("torch", "mlx"), "device": ("auto", "cpu", "cuda"),
                    "dtype": ("auto", "float32", "bfloat16", "float16"),
-                   "kv_storage": ("auto", "paged", "dense"), "attention": ("auto", "triton", "reference")}
+                   "kv_storage": ("auto", "paged", "dense"), "attention": ("auto", "triton", "reference", "cpu")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")

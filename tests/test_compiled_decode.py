@@ -6,6 +6,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
+from engine.kernels import cpu_gemv
 from engine.runners import torch_attention
 from engine.runners.base import Row
 from engine.runners.torch_runner import TorchRunner
@@ -37,14 +38,29 @@ def test_compiled_step_matches_eager_logits_and_writes_the_same_kv(odd_dir):
     torch.testing.assert_close(compiled.v_cache, eager.v_cache)
 
 
-def test_engine_with_compile_generates_what_eager_does(tiny_dir):
+@pytest.mark.parametrize("gemv_op", [False, True])
+def test_engine_with_compile_generates_what_eager_does(tiny_dir, gemv_op, monkeypatch):
+    """gemv_op: every projection goes to the CPU GEMV as the torch op pagoda::gemv inside the graph (by default
+    only weights over 2 MiB do; tiny has none)."""
+    if gemv_op:
+        if cpu_gemv.load(threads=1) is None:
+            pytest.skip("no CPU GEMV kernel here (no AVX2 or no compiler)")
+        monkeypatch.setattr(cpu_gemv, "OP_MIN_BYTES", 0)
+        monkeypatch.setattr(cpu_gemv, "MIN_WEIGHT", 0)
     prompts = [random_ids(40, seed=1), random_ids(70, seed=2)]
     compiled = LLM(model=tiny_dir, dtype="float32", kv_storage="paged", max_batch_size=2, compile=True)
+    calls = []
+    if gemv_op:
+        kernel = cpu_gemv._OP_KERNEL
+        monkeypatch.setattr(cpu_gemv, "_OP_KERNEL", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
     eager = LLM(model=tiny_dir, dtype="float32", kv_storage="paged", max_batch_size=2)
     want = [o.token_ids for o in eager.generate(prompts, greedy(24))]
     assert [o.token_ids for o in compiled.generate(prompts, greedy(24))] == want        # batch of 2
     assert compiled.generate(prompts[0], greedy(24))[0].token_ids == want[0]            # then a batch of 1
     assert compiled.engine.pool.num_used == 0
+    if gemv_op:
+        assert len(calls) >= 2 * 23 * (4 * 2 + 1) and {1, 2} <= set(calls)    # 23 decode steps at batch 2, then 1
+        assert max(calls) <= cpu_gemv.MAX_ROWS             # and the 8-token prefill after the prompt-cache hit
 
 
 def test_compile_is_an_option_of_the_torch_runner_only():

@@ -1,5 +1,6 @@
-"""Attention and KV-write ops behind one switch: the torch reference ops (any device) or the Triton kernels (CUDA;
-on CPU tensors only under TRITON_INTERPRET=1, which is how they are tested here). Both have the same signatures."""
+"""Attention and KV-write ops behind one switch: the torch reference ops (any device), the Triton kernels (CUDA;
+on CPU tensors only under TRITON_INTERPRET=1, which is how they are tested here), or, for fp32 on an AVX2 CPU, the
+reference ops with decode's KV write and attention fused into one C call (`decode_step`)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -15,12 +16,14 @@ class KernelOps:
     write_kv: Callable
     paged_decode_attention: Callable
     paged_prefill_attention: Callable
+    decode_step: Callable | None = None   # write + attend for one token per row (cpu_attention.CpuDecode)
 
 
-def select(choice: str, device_type: str) -> KernelOps:
-    """choice auto | triton | reference; auto takes Triton on CUDA when it imports, else the reference ops."""
-    if choice not in ("auto", "triton", "reference"):
-        raise ValueError(f"attention: must be auto, triton or reference, got {choice!r}")
+def select(choice: str, device_type: str, dtype: str = "", threads: int = 1) -> KernelOps:
+    """choice auto | triton | reference | cpu; auto takes Triton on CUDA when it imports, the CPU kernel for fp32 on
+    a CPU when it builds, else the reference ops."""
+    if choice not in ("auto", "triton", "reference", "cpu"):
+        raise ValueError(f"attention: must be auto, triton, reference or cpu, got {choice!r}")
     if choice == "triton" or (choice == "auto" and device_type == "cuda"):
         try:
             from engine.kernels import triton_decode, triton_kv, triton_prefill
@@ -30,6 +33,15 @@ def select(choice: str, device_type: str) -> KernelOps:
         else:
             return KernelOps("triton", triton_kv.write_kv, triton_decode.paged_decode_attention,
                              triton_prefill.paged_prefill_attention)
-    from engine.kernels import reference
+    from engine.kernels import cpu_attention, reference
+    if choice == "cpu" or (choice == "auto" and device_type == "cpu" and dtype == "float32"):
+        if device_type != "cpu" or dtype != "float32":
+            raise ValueError(f"attention: cpu needs float32 on a CPU, got {dtype or '?'} on {device_type}")
+        decode = cpu_attention.load(threads)
+        if decode is not None:
+            return KernelOps("cpu", reference.write_kv, reference.paged_decode_attention,
+                             reference.paged_prefill_attention, decode)
+        if choice == "cpu":
+            raise ValueError("attention: cpu kernels are off or cannot be built here (see the log)")
     return KernelOps("reference", reference.write_kv, reference.paged_decode_attention,
                      reference.paged_prefill_attention)

@@ -17,6 +17,8 @@ Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tens
 
 
 class RMSNorm(nn.Module):
+    pointwise = None                  # fp32 decode rows: one C call (kernels.cpu_pointwise); see Qwen2.use_pointwise
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -24,6 +26,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
+            if self.pointwise is not None and x.shape[0] <= self.pointwise.max_rows:
+                return self.pointwise.rms_norm(x, self.weight, self.eps)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # as Hugging Face rounds it: normalise in fp32, round to the model dtype, then scale
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
@@ -61,6 +65,8 @@ class Rope(nn.Module):
 
 
 class Layer(nn.Module):
+    pointwise = None
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         hd = cfg.head_dim
@@ -80,7 +86,10 @@ class Layer(nn.Module):
         qk = Rope.apply(qkv[:, :nh + nkv], *rope)           # q and k heads rotated together
         q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]
         x = x + self.o_proj.forward(attn(idx, q, k, v).reshape(t, -1))
-        gate, up = self.gate_up.forward(self.post_norm.forward(x)).chunk(2, dim=-1)
+        gate_up = self.gate_up.forward(self.post_norm.forward(x))
+        if self.pointwise is not None and t <= self.pointwise.max_rows and x.dtype == torch.float32:
+            return x + self.down.forward(self.pointwise.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return x + self.down.forward(F.silu(gate) * up)
 
 
@@ -115,3 +124,9 @@ class Qwen2(nn.Module):
                 mod.gemv = gemv if gemv is not None and gemv.fits(mod.weight) else None
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         self.head_gemv = gemv if gemv is not None and gemv.fits(head) else None
+
+    def use_pointwise(self, pointwise) -> None:
+        """fp32 decode's RMSNorm and SwiGLU through `pointwise` (kernels.cpu_pointwise); None: torch's ops."""
+        for mod in self.modules():
+            if isinstance(mod, (RMSNorm, Layer)):
+                mod.pointwise = pointwise

@@ -21,6 +21,11 @@ def paged(ops: KernelOps, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: li
         seq_lens = torch.tensor(lens, dtype=torch.long, device=device)
         max_len = max(lens)
 
+        if ops.decode_step is not None:
+            def fused(layer: int, q, k, v):
+                return ops.decode_step(q, k, v, k_cache[layer], v_cache[layer], slots, tables, seq_lens, scale)
+            return fused
+
         def decode(layer: int, q, k, v):
             ops.write_kv(k_cache[layer], v_cache[layer], slots, k, v)
             return ops.paged_decode_attention(q, k_cache[layer], v_cache[layer], tables, seq_lens, scale, max_len)

@@ -10,13 +10,17 @@ import torch
 import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 
+from engine.kernels.cpu_gemv import CpuGemv, GemvOp
 from engine.models.qwen2 import Qwen2
 from engine.runners.base import Row
 
 
 class CompiledDecode:
-    def __init__(self, model: Qwen2, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> None:
+    def __init__(self, model: Qwen2, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                 gemv: CpuGemv | None = None) -> None:
         self.model, self.k_cache, self.v_cache, self.scale = model, k_cache, v_cache, scale
+        if gemv is not None:
+            model.use_gemv(GemvOp(gemv))                 # big weights: the graph calls the GEMV kernel
         if k_cache.device.type == "cpu":
             # Freezing makes the weights constants of the graph, prepacked for oneDNN. That costs a second copy of
             # the weights and buys a GEMV that reads them faster than eager F.linear does. It is inductor's global

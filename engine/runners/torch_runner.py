@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from engine import kernels
-from engine.kernels import cpu_gemv
+from engine.kernels import cpu_gemv, cpu_pointwise
 from engine.models.loader import load_model
 from engine.runners import torch_attention
 from engine.runners.base import Geometry, Row, flatten, in_order
@@ -31,9 +31,10 @@ class TorchRunner:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         self.model = load_model(model_dir, dtype, device)
-        self.ops = kernels.select(attention, self.device.type)
         cfg = self.model.cfg
         self.dtype = self.model.embed.weight.dtype
+        self.ops = kernels.select(attention, self.device.type, str(self.dtype).removeprefix("torch."),
+                                  torch.get_num_threads())
         g = Geometry.of(cfg, self.dtype.itemsize)
         self.vocab_size, self.max_model_len, self.eos_token_ids = g.vocab_size, g.max_model_len, g.eos_token_ids
         self.layers, self.kv_shape, self.bytes_per_token, self.scale = g.layers, g.kv_shape, g.bytes_per_token, g.scale
@@ -46,18 +47,19 @@ class TorchRunner:
         self.tokens_computed = 0
         self.compile = compile
         self.compiled: CompiledDecode | None = None
-        # fp32 decode on a CPU: projections and logits through the bandwidth-bound GEMV (not inside a compiled graph)
+        # fp32 decode on a CPU: projections and logits through the bandwidth-bound GEMV, norms and SwiGLU in C
         self.gemv = None
-        if self.device.type == "cpu" and self.dtype == torch.float32 and not compile:
+        if self.device.type == "cpu" and self.dtype == torch.float32:
             self.gemv = cpu_gemv.load(torch.get_num_threads())
             self.model.use_gemv(self.gemv)
+            self.model.use_pointwise(None if compile else cpu_pointwise.load())
 
     def init_paged(self, num_blocks: int, block_size: int) -> None:
         shape = (self.layers, num_blocks, block_size, *self.kv_shape)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         if self.compile:
-            self.compiled = CompiledDecode(self.model, self.k_cache, self.v_cache, self.scale)
+            self.compiled = CompiledDecode(self.model, self.k_cache, self.v_cache, self.scale, self.gemv)
 
     def dense_alloc(self, capacity: int) -> int:
         buf, self.next_buf = self.next_buf, self.next_buf + 1

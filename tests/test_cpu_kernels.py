@@ -1,5 +1,5 @@
-"""The CPU decode GEMV: F.linear's result for every shape decode gives it, the engine routing its projections there,
-and torch serving whenever the kernel is off, unfit or cannot be built."""
+"""The CPU decode kernels (GEMV, paged decode attention, RMSNorm, SwiGLU): torch's result for every shape decode
+gives them, the engine routing decode there, and torch serving whenever they are off, unfit or cannot be built."""
 from __future__ import annotations
 
 import logging
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
-from engine.kernels import cpu_gemv
+from engine.kernels import CALLS, cpu_attention, cpu_gemv, cpu_pointwise, reference, select
 from engine.models.presets import make_model
 from engine.models.qwen2 import Linear
 from tests.conftest import random_ids
@@ -54,7 +54,49 @@ def test_one_openmp_runtime_in_the_process(gemv):
     assert len({line.split()[-1] for line in maps.splitlines() if "libgomp" in line}) == 1
 
 
-def test_engine_routes_decode_projections_to_the_kernel_and_generates_what_torch_does(gemv, small_dir, monkeypatch):
+@pytest.mark.parametrize("b,nh,n_kv,hd,bs,lens", [(1, 14, 2, 64, 32, [77]), (3, 7, 1, 12, 8, [37, 1, 40]),
+                                                  (4, 4, 4, 16, 16, [5, 16, 17, 64])])
+def test_paged_decode_attention_matches_the_reference(gemv, b, nh, n_kv, hd, bs, lens):
+    g = torch.Generator().manual_seed(b)
+    k_cache, v_cache = torch.randn(2, 24, bs, n_kv, hd, generator=g)
+    width = -(-max(lens) // bs)
+    tables = torch.stack([torch.randperm(24, generator=g)[:width] for _ in range(b)])
+    seq_lens = torch.tensor(lens)
+    slots = torch.tensor([int(tables[i, (n - 1) // bs]) * bs + (n - 1) % bs for i, n in enumerate(lens)])
+    q, k, v = torch.randn(b, nh, hd, generator=g), torch.randn(b, n_kv, hd, generator=g), torch.randn(b, n_kv, hd)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    reference.write_kv(want_k, want_v, slots, k, v)
+    want = reference.paged_decode_attention(q, want_k, want_v, tables, seq_lens, 0.3)
+    got = cpu_attention.load(threads=2)(q, k, v, k_cache, v_cache, slots, tables, seq_lens, 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)       # new K/V written at their slots
+
+
+@pytest.mark.parametrize("m,n", [(1, 896), (3, 84), (8, 13)])
+def test_rms_norm_and_silu_mul_match_torch(gemv, m, n):
+    pw = cpu_pointwise.load()
+    x, w, gu = torch.randn(m, n), torch.randn(n), torch.randn(m, 2 * n) * 4
+    torch.testing.assert_close(pw.rms_norm(x, w, 1e-6), F.rms_norm(x, (n,), w, 1e-6), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pw.silu_mul(gu), F.silu(gu[:, :n]) * gu[:, n:], rtol=1e-5, atol=1e-5)
+
+
+def test_attention_choice(monkeypatch):
+    assert select("auto", "cpu", "bfloat16").name == "reference"
+    with pytest.raises(ValueError, match="attention: cpu needs float32 on a CPU, got bfloat16 on cpu"):
+        select("cpu", "cpu", "bfloat16")
+    if cpu_build_ok():
+        assert select("auto", "cpu", "float32").name == "cpu"
+    monkeypatch.setenv("PAGODA_CPU_KERNELS", "0")
+    assert select("auto", "cpu", "float32").name == "reference"
+    with pytest.raises(ValueError, match="attention: cpu kernels are off or cannot be built here"):
+        select("cpu", "cpu", "float32")
+
+
+def cpu_build_ok() -> bool:
+    return cpu_gemv.load(threads=1) is not None
+
+
+def test_engine_routes_decode_to_the_kernels_and_generates_what_torch_does(gemv, small_dir, monkeypatch):
     calls = []
     real = cpu_gemv.CpuGemv.__call__
     monkeypatch.setattr(cpu_gemv.CpuGemv, "__call__", lambda self, x, w, b=None: calls.append(x.shape[0])
@@ -64,13 +106,16 @@ def test_engine_routes_decode_projections_to_the_kernel_and_generates_what_torch
     fast = LLM(model=small_dir, dtype="float32", max_batch_size=2)
     model = fast.engine.runner.model
     assert all(mod.gemv is fast.engine.runner.gemv for mod in model.modules() if isinstance(mod, Linear))
+    before = CALLS["cpu"]
     got = [o.token_ids for o in fast.generate(prompts, params)]
+    assert CALLS["cpu"] > before and fast.engine.runner.ops.name == "cpu"
+    assert all(layer.pointwise is not None for layer in model.layers)
     layers = len(model.layers)
     assert calls and max(calls) <= cpu_gemv.MAX_ROWS
     assert len(calls) >= 23 * (4 * layers + 1)           # every projection and the head of every decode step
-    monkeypatch.setenv("PAGODA_CPU_GEMV", "0")
+    monkeypatch.setenv("PAGODA_CPU_KERNELS", "0")
     plain = LLM(model=small_dir, dtype="float32", max_batch_size=2)
-    assert plain.engine.runner.gemv is None
+    assert plain.engine.runner.gemv is None and plain.engine.runner.ops.name == "reference"
     assert got == [o.token_ids for o in plain.generate(prompts, params)]
     assert fast.engine.pool.num_used == 0
 
@@ -82,7 +127,8 @@ def test_torch_serves_small_weights_bf16_and_compiled_decode(tiny_dir, small_dir
         assert tiny.model.head_gemv is tiny.gemv                                                 # [1024, 64]
     assert LLM(model=small_dir, dtype="bfloat16").engine.runner.gemv is None
     compiled = LLM(model=small_dir, dtype="float32", compile=True).engine.runner
-    assert compiled.gemv is None and compiled.model.head_gemv is None
+    assert all(layer.pointwise is None for layer in compiled.model.layers)     # the graph fuses these itself
+    assert all(mod.gemv is None for mod in compiled.model.modules() if isinstance(mod, Linear))   # all < 2 MiB
 
 
 def test_a_failed_build_falls_back_to_torch_with_a_warning(tmp_path, monkeypatch, caplog):
@@ -92,9 +138,9 @@ def test_a_failed_build_falls_back_to_torch_with_a_warning(tmp_path, monkeypatch
     monkeypatch.setenv("CXX", "no-such-compiler")
     with caplog.at_level(logging.WARNING, logger="pagoda"):
         assert cpu_gemv.load(threads=1) is None
-    assert "no C++ compiler (no-such-compiler)" in caplog.text
+    assert "CPU kernels unavailable" in caplog.text and "no C++ compiler (no-such-compiler)" in caplog.text
 
 
 def test_kill_switch(monkeypatch):
-    monkeypatch.setenv("PAGODA_CPU_GEMV", "off")
+    monkeypatch.setenv("PAGODA_CPU_KERNELS", "off")
     assert cpu_gemv.load(threads=1) is None

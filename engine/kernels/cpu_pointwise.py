@@ -1,0 +1,39 @@
+"""Decode's small fp32 ops on a CPU (cpu_pointwise.cpp), one ctypes call each: RMSNorm and SwiGLU."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from engine.kernels import cpu_build
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+class CpuPointwise:
+    max_rows = 8            # like the GEMV: decode steps; prefill chunks stay on torch's vectorised ops
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.norm_fn, self.silu_fn = lib.rms_norm_f32, lib.silu_mul_f32
+        self.norm_fn.argtypes, self.norm_fn.restype = [_P, _P, ctypes.c_float, _P, _I, _I], None
+        self.silu_fn.argtypes, self.silu_fn.restype = [_P, _P, _I, _I], None
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """F.rms_norm(x, weight.shape, weight, eps) for contiguous fp32 x [m, n]."""
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        self.norm_fn(x.data_ptr(), weight.data_ptr(), eps, out.data_ptr(), x.shape[0], x.shape[1])
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up [m, 2n] = [gate | up]; returns [m, n]."""
+        gate_up = gate_up.contiguous()
+        m, n = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((m, n), dtype=gate_up.dtype)
+        self.silu_fn(gate_up.data_ptr(), out.data_ptr(), m, n)
+        return out
+
+
+def load() -> CpuPointwise | None:
+    lib = cpu_build.library()
+    return None if lib is None else CpuPointwise(lib)
