@@ -13,14 +13,12 @@ from pathlib import Path
 
 import torch
 
+from engine.models.presets import cache_root
+
 log = logging.getLogger("pagoda")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_pointwise.cpp")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
-
-
-def build_dir() -> Path:
-    return Path(os.environ.get("PAGODA_CACHE", Path.home() / ".cache" / "pagoda")) / "kernels"
 
 
 def build() -> Path:
@@ -29,7 +27,7 @@ def build() -> Path:
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler ({cxx})")
     key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join([cxx, *FLAGS]).encode())
-    out = build_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    out = cache_root() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

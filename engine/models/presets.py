@@ -97,9 +97,14 @@ def make_model(preset: str, out: str | Path, seed: int = 0) -> Path:
     return out
 
 
+def cache_root() -> Path:
+    """Pagoda's cache folder: $PAGODA_CACHE, else ~/.cache/pagoda."""
+    return Path(os.environ.get("PAGODA_CACHE", Path.home() / ".cache" / "pagoda"))
+
+
 def cached_model(preset: str = "small", seed: int = 0) -> Path:
-    """The preset under the cache folder ($PAGODA_CACHE, else ~/.cache/pagoda), made on first use."""
-    root = Path(os.environ.get("PAGODA_CACHE", Path.home() / ".cache" / "pagoda"))
+    """The preset under the cache folder (cache_root()), made on first use."""
+    root = cache_root()
     path = root / "models" / f"{preset}-seed{seed}"
     if (path / "model.safetensors").exists():
         return path

@@ -87,7 +87,7 @@ class Layer(nn.Module):
         q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]
         x = x + self.o_proj.forward(attn(idx, q, k, v).reshape(t, -1))
         gate_up = self.gate_up.forward(self.post_norm.forward(x))
-        if self.pointwise is not None and t <= self.pointwise.max_rows and x.dtype == torch.float32:
+        if self.pointwise is not None and t <= self.pointwise.max_rows:       # set for fp32 models only
             return x + self.down.forward(self.pointwise.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return x + self.down.forward(F.silu(gate) * up)
