@@ -33,13 +33,17 @@ def small_dir(tmp_path_factory) -> str:
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 11])
 @pytest.mark.parametrize("n,k", [(1152, 896), (37, 84), (6, 8), (1, 13), (4099, 64)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_matches_f_linear(gemv, m, n, k, bias):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_f_linear(gemv, m, n, k, bias, dtype):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
-    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
-    b = torch.randn(n, generator=g) if bias else None
+    x, w = torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
     got = gemv(x, w, b)
-    assert got.shape == (m, n) and got.dtype == torch.float32
-    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    assert got.shape == (m, n) and got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    else:       # both accumulate in fp32 and round once: at most one bf16 ulp apart (2**-7 relative)
+        torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), rtol=2 ** -7, atol=1e-3)
 
 
 def test_single_and_multi_thread_agree_and_strided_input_is_made_contiguous(gemv):
@@ -125,10 +129,29 @@ def test_torch_serves_small_weights_bf16_and_compiled_decode(tiny_dir, small_dir
     if tiny.gemv is not None:
         assert all(mod.gemv is None for mod in tiny.model.layers.modules() if isinstance(mod, Linear))  # too small
         assert tiny.model.head_gemv is tiny.gemv                                                 # [1024, 64]
-    assert LLM(model=small_dir, dtype="bfloat16").engine.runner.gemv is None
+    bf16 = LLM(model=small_dir, dtype="bfloat16").engine.runner
+    if bf16.gemv is not None:                     # the GEMV takes bf16; attention and the pointwise ops stay on torch
+        assert bf16.model.head_gemv is bf16.gemv and bf16.ops.name == "reference"
+        assert all(layer.pointwise is None for layer in bf16.model.layers)
     compiled = LLM(model=small_dir, dtype="float32", compile=True).engine.runner
     assert all(layer.pointwise is None for layer in compiled.model.layers)     # the graph fuses these itself
     assert all(mod.gemv is None for mod in compiled.model.modules() if isinstance(mod, Linear))   # all < 2 MiB
+
+
+def test_bf16_model_logits_with_the_kernel_match_torch(gemv, small_dir):
+    from engine.kernels.reference import causal_attention
+    from engine.models.loader import load_model
+    model = load_model(small_dir, "bfloat16")
+    scale = model.cfg.head_dim ** -0.5
+    ids, positions = torch.tensor(random_ids(6, seed=4)), torch.arange(6)     # 6 rows: the GEMV's range
+
+    def logits() -> torch.Tensor:
+        with torch.inference_mode():
+            return model.logits(model(ids, positions, lambda i, q, k, v: causal_attention(q, k, v, 0, scale)))
+    model.use_gemv(gemv)
+    got = logits()
+    model.use_gemv(None)
+    torch.testing.assert_close(got, logits(), rtol=0.05, atol=0.05)
 
 
 def test_a_failed_build_falls_back_to_torch_with_a_warning(tmp_path, monkeypatch, caplog):

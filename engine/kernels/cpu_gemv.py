@@ -1,7 +1,8 @@
 """The CPU decode GEMV (cpu_gemv.cpp), called through ctypes.
 
 Eager torch reads fp32 weights at about half the memory bandwidth in a one-row F.linear; this kernel reads them at
-close to it, and reads them once for up to MAX_ROWS rows. ctypes drops the GIL for the call, so other Python threads
+close to it, and reads them once for up to MAX_ROWS rows. fp32 and bf16 (widened on load, fp32 accumulation, one
+rounding on store, as torch's CPU GEMM does). ctypes drops the GIL for the call, so other Python threads
 (a server's responder) run while it streams the weights. PAGODA_CPU_KERNELS=0 turns it off.
 """
 from __future__ import annotations
@@ -17,29 +18,33 @@ MIN_WEIGHT = 32768      # smaller weights (the tiny preset's) stay on torch: the
 OP_MIN_BYTES = 2 << 20  # in a compiled graph: smaller weights stay on inductor's prepacked GEMM (see GemvOp)
 
 
+DTYPES = {torch.float32: "gemv_f32", torch.bfloat16: "gemv_bf16"}
+
+
 class CpuGemv:
-    """`gemv(x, weight, bias)` == F.linear(x, weight, bias) for contiguous fp32 CPU tensors, x of [m, k]."""
+    """`gemv(x, weight, bias)` == F.linear(x, weight, bias) for contiguous fp32 or bf16 CPU tensors (one dtype),
+    x of [m, k]."""
     max_rows = MAX_ROWS
 
     def __init__(self, lib: ctypes.CDLL, threads: int) -> None:
-        self.fn = lib.gemv_f32
-        self.fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                            ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-        self.fn.restype = None
+        self.fns = {dtype: getattr(lib, name) for dtype, name in DTYPES.items()}
+        for fn in self.fns.values():
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                           ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+            fn.restype = None
         self.threads = threads
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x = x.contiguous()
         n, k = weight.shape
-        y = torch.empty((x.shape[0], n), dtype=torch.float32)
-        self.fn(x.data_ptr(), x.shape[0], weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                y.data_ptr(), n, k, self.threads)
+        y = torch.empty((x.shape[0], n), dtype=x.dtype)
+        self.fns[weight.dtype](x.data_ptr(), x.shape[0], weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                               y.data_ptr(), n, k, self.threads)
         return y
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:
-        return weight.dtype == torch.float32 and weight.is_contiguous() and weight.numel() >= MIN_WEIGHT
-
+        return weight.dtype in DTYPES and weight.is_contiguous() and weight.numel() >= MIN_WEIGHT
 
 
 _OP_KERNEL: CpuGemv | None = None         # what pagoda::gemv runs; set by GemvOp

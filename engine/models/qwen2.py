@@ -114,7 +114,7 @@ class Qwen2(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         if self.head_gemv is not None and hidden.shape[0] <= self.head_gemv.max_rows:
-            return self.head_gemv(hidden, weight)
+            return self.head_gemv(hidden, weight).float()
         return F.linear(hidden, weight).float()
 
     def use_gemv(self, gemv) -> None:

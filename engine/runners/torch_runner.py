@@ -47,12 +47,14 @@ class TorchRunner:
         self.tokens_computed = 0
         self.compile = compile
         self.compiled: CompiledDecode | None = None
-        # fp32 decode on a CPU: projections and logits through the bandwidth-bound GEMV, norms and SwiGLU in C
+        # decode on a CPU: projections and logits through the bandwidth-bound GEMV (fp32, bf16); fp32 norms and
+        # SwiGLU in C too
         self.gemv = None
-        if self.device.type == "cpu" and self.dtype == torch.float32:
+        if self.device.type == "cpu" and self.dtype in cpu_gemv.DTYPES:
             self.gemv = cpu_gemv.load(torch.get_num_threads())
             self.model.use_gemv(self.gemv)
-            self.model.use_pointwise(None if compile else cpu_pointwise.load())
+            if self.dtype == torch.float32 and not compile:
+                self.model.use_pointwise(cpu_pointwise.load())
 
     def init_paged(self, num_blocks: int, block_size: int) -> None:
         shape = (self.layers, num_blocks, block_size, *self.kv_shape)
