@@ -12,11 +12,6 @@
 
 typedef uint16_t bf16;
 
-static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 load8(const bf16* p) {
-    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
 static inline float widen(float v) { return v; }
 static inline float widen(bf16 v) {
     uint32_t u = (uint32_t)v << 16;
@@ -37,41 +32,76 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_hadd_ps(s, s));
 }
 
-// R weight rows (from w) against C input rows (from x, stride k); writes y[c * ldy + r] for r < R, c < C.
+// Sums of the vector lanes plus the scalar tail [i, k), stored: y[c * ldy + r] for r < R, c < C.
 template <typename T, int R, int C>
-static inline void block(const T* x, const T* w, int64_t k, const T* bias, T* y, int64_t ldy) {
+static inline void finish(__m256 (&acc)[C][R], const float* x, const T* w, int64_t i, int64_t k, const T* bias,
+                          T* y, int64_t ldy) {
+    for (int c = 0; c < C; c++)
+        for (int r = 0; r < R; r++) {
+            float s = hsum(acc[c][r]);
+            for (int64_t t = i; t < k; t++) s += widen(w[r * k + t]) * x[c * k + t];
+            store(y + c * ldy + r, bias ? s + widen(bias[r]) : s);
+        }
+}
+
+// fp32: R weight rows against C input rows (stride k), 8 lanes at a time.
+template <int R, int C>
+static inline void block(const float* x, const float* w, int64_t k, const float* bias, float* y, int64_t ldy) {
     __m256 acc[C][R];
     for (int c = 0; c < C; c++)
         for (int r = 0; r < R; r++) acc[c][r] = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= k; i += 8) {
         __m256 wv[R];
-        for (int r = 0; r < R; r++) wv[r] = load8(w + r * k + i);
+        for (int r = 0; r < R; r++) wv[r] = _mm256_loadu_ps(w + r * k + i);
         for (int c = 0; c < C; c++) {
-            __m256 xv = load8(x + c * k + i);
+            __m256 xv = _mm256_loadu_ps(x + c * k + i);
             for (int r = 0; r < R; r++) acc[c][r] = _mm256_fmadd_ps(wv[r], xv, acc[c][r]);
         }
     }
+    finish<float, R, C>(acc, x, w, i, k, bias, y, ldy);
+}
+
+// bf16: 16 weights at a time, the even-indexed widened by a shift and the odd-indexed by a mask, no shuffle; x is
+// fp32 in the same order (see gemv_bf16). The next block is prefetched: +19% measured, none for fp32.
+template <int R, int C>
+static inline void block(const float* x, const bf16* w, int64_t k, const bf16* bias, bf16* y, int64_t ldy) {
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000);
+    __m256 acc[C][R];
     for (int c = 0; c < C; c++)
+        for (int r = 0; r < R; r++) acc[c][r] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) {
+        __m256 even[R], odd[R];
         for (int r = 0; r < R; r++) {
-            float s = hsum(acc[c][r]);
-            for (int64_t t = i; t < k; t++) s += widen(w[r * k + t]) * widen(x[c * k + t]);
-            store(y + c * ldy + r, bias ? s + widen(bias[r]) : s);
+            if ((i & 31) == 0) _mm_prefetch((const char*)(w + (r + R) * k + i), _MM_HINT_T0);
+            __m256i v = _mm256_loadu_si256((const __m256i*)(w + r * k + i));
+            even[r] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            odd[r] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
         }
+        for (int c = 0; c < C; c++) {
+            __m256 xe = _mm256_loadu_ps(x + c * k + i), xo = _mm256_loadu_ps(x + c * k + i + 8);
+            for (int r = 0; r < R; r++)
+                acc[c][r] = _mm256_fmadd_ps(odd[r], xo, _mm256_fmadd_ps(even[r], xe, acc[c][r]));
+        }
+    }
+    finish<bf16, R, C>(acc, x, w, i, k, bias, y, ldy);
 }
 
 // Weight rows [r0, r0 + R) against every input row: 4 input rows at a time, then one at a time.
 template <typename T, int R>
-static inline void rows(const T* x, int64_t m, const T* w, const T* bias, T* y, int64_t n, int64_t k, int64_t r0) {
+static inline void rows(const float* x, int64_t m, const T* w, const T* bias, T* y, int64_t n, int64_t k,
+                        int64_t r0) {
     const T* b = bias ? bias + r0 : nullptr;
     int64_t c = 0;
     if (R == 2)
-        for (; c + 4 <= m; c += 4) block<T, R, 4>(x + c * k, w + r0 * k, k, b, y + c * n + r0, n);
-    for (; c < m; c++) block<T, R, 1>(x + c * k, w + r0 * k, k, b, y + c * n + r0, n);
+        for (; c + 4 <= m; c += 4) block<R, 4>(x + c * k, w + r0 * k, k, b, y + c * n + r0, n);
+    for (; c < m; c++) block<R, 1>(x + c * k, w + r0 * k, k, b, y + c * n + r0, n);
 }
 
+// x is fp32 (for bf16 weights: widened and reordered by the caller).
 template <typename T>
-static void gemv(const T* x, int64_t m, const T* w, const T* bias, T* y, int64_t n, int64_t k, int threads) {
+static void gemv(const float* x, int64_t m, const T* w, const T* bias, T* y, int64_t n, int64_t k, int threads) {
     // One input row: 4 weight rows a block (4 accumulators hide the FMA latency). More rows: 2 x 4 a block.
     const int64_t step = m == 1 ? 4 : 2, blocks = n / step;
     #pragma omp parallel for schedule(static) num_threads(threads) if (n * k * m >= 65536)
@@ -87,49 +117,9 @@ extern "C" void gemv_f32(const float* x, int64_t m, const float* w, const float*
     gemv(x, m, w, bias, y, n, k, threads);
 }
 
-// bf16 weights: 16 at a time, the even-indexed widened by a shift and the odd-indexed by a mask, no shuffle. The
-// input rows are widened once into the same order (xf: per 16-chunk, 8 even then 8 odd; the tail as is).
-template <int R, int C>
-static inline void block_bf16(const float* xf, const bf16* w, int64_t k, const bf16* bias, bf16* y, int64_t ldy) {
-    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000);
-    __m256 acc[C][R];
-    for (int c = 0; c < C; c++)
-        for (int r = 0; r < R; r++) acc[c][r] = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= k; i += 16) {
-        __m256 even[R], odd[R];
-        for (int r = 0; r < R; r++) {
-            if ((i & 31) == 0) _mm_prefetch((const char*)(w + (r + R) * k + i), _MM_HINT_T0);   // the next block
-            __m256i v = _mm256_loadu_si256((const __m256i*)(w + r * k + i));
-            even[r] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-            odd[r] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-        }
-        for (int c = 0; c < C; c++) {
-            __m256 xe = _mm256_loadu_ps(xf + c * k + i), xo = _mm256_loadu_ps(xf + c * k + i + 8);
-            for (int r = 0; r < R; r++)
-                acc[c][r] = _mm256_fmadd_ps(odd[r], xo, _mm256_fmadd_ps(even[r], xe, acc[c][r]));
-        }
-    }
-    for (int c = 0; c < C; c++)
-        for (int r = 0; r < R; r++) {
-            float s = hsum(acc[c][r]);
-            for (int64_t t = i; t < k; t++) s += widen(w[r * k + t]) * xf[c * k + t];
-            store(y + c * ldy + r, bias ? s + widen(bias[r]) : s);
-        }
-}
-
-template <int R>
-static inline void rows_bf16(const float* xf, int64_t m, const bf16* w, const bf16* bias, bf16* y, int64_t n,
-                             int64_t k, int64_t r0) {
-    const bf16* b = bias ? bias + r0 : nullptr;
-    int64_t c = 0;
-    if (R == 2)
-        for (; c + 4 <= m; c += 4) block_bf16<R, 4>(xf + c * k, w + r0 * k, k, b, y + c * n + r0, n);
-    for (; c < m; c++) block_bf16<R, 1>(xf + c * k, w + r0 * k, k, b, y + c * n + r0, n);
-}
-
 extern "C" void gemv_bf16(const bf16* x, int64_t m, const bf16* w, const bf16* bias, bf16* y,
                           int64_t n, int64_t k, int threads) {
+    // x widened once, in the bf16 block's lane order: per 16-chunk, 8 even then 8 odd; the tail as is
     std::vector<float> xf(m * k);
     const int64_t chunks = k / 16 * 16;
     for (int64_t c = 0; c < m; c++) {
@@ -140,11 +130,5 @@ extern "C" void gemv_bf16(const bf16* x, int64_t m, const bf16* w, const bf16* b
             }
         for (int64_t t = chunks; t < k; t++) xf[c * k + t] = widen(x[c * k + t]);
     }
-    const int64_t step = m == 1 ? 4 : 2, blocks = n / step;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (n * k * m >= 65536)
-    for (int64_t b = 0; b < blocks; b++) {
-        if (step == 4) rows_bf16<4>(xf.data(), m, w, bias, y, n, k, b * 4);
-        else rows_bf16<2>(xf.data(), m, w, bias, y, n, k, b * 2);
-    }
-    for (int64_t r = blocks * step; r < n; r++) rows_bf16<1>(xf.data(), m, w, bias, y, n, k, r);
+    gemv(xf.data(), m, w, bias, y, n, k, threads);
 }

@@ -6,12 +6,13 @@ import ctypes
 import torch
 
 from engine.kernels import cpu_build
+from engine.kernels.cpu_gemv import MAX_ROWS
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 class CpuPointwise:
-    max_rows = 8            # like the GEMV: decode steps; prefill chunks stay on torch's vectorised ops
+    max_rows = MAX_ROWS     # decode steps, as for the GEMV; prefill chunks stay on torch's vectorised ops
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.norm_fn, self.silu_fn = lib.rms_norm_f32, lib.silu_mul_f32

@@ -111,19 +111,21 @@ class Qwen2(nn.Module):
             x = layer.forward(i, x, rope, attn)
         return self.norm.forward(x)
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         if self.head_gemv is not None and hidden.shape[0] <= self.head_gemv.max_rows:
-            return self.head_gemv(hidden, weight).float()
-        return F.linear(hidden, weight).float()
+            return self.head_gemv(hidden, self.head_weight).float()
+        return F.linear(hidden, self.head_weight).float()
 
     def use_gemv(self, gemv) -> None:
         """Route decode's projections and logits to `gemv` where `gemv.fits(weight)`; None: torch for all."""
         for mod in self.modules():
             if isinstance(mod, Linear):
                 mod.gemv = gemv if gemv is not None and gemv.fits(mod.weight) else None
-        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        self.head_gemv = gemv if gemv is not None and gemv.fits(head) else None
+        self.head_gemv = gemv if gemv is not None and gemv.fits(self.head_weight) else None
 
     def use_pointwise(self, pointwise) -> None:
         """fp32 decode's RMSNorm and SwiGLU through `pointwise` (kernels.cpu_pointwise); None: torch's ops."""
