@@ -23,7 +23,9 @@ from engine.runners import mlx_attention  # noqa: E402
 REFERENCE = select("reference", "cpu")
 
 
-def test_logits_match_torch(model_dir):
+@pytest.mark.parametrize("contiguous", [True, False], ids=["cpu-layout", "gpu-layout"])
+def test_logits_match_torch(model_dir, contiguous):
+    """Both weight layouts (copies laid out [in, out] on the CPU, transposed views on a GPU) against torch."""
     ids = random_ids(40, seed=3)
     table, bs = [5, 2, 7], 16
     slots = lambda a, b: [table[p // bs] * bs + p % bs for p in range(a, b)]   # noqa: E731
@@ -31,7 +33,8 @@ def test_logits_match_torch(model_dir):
     cfg = tm.cfg
     shape = (cfg.num_hidden_layers, 8, bs, cfg.num_key_value_heads, cfg.head_dim)
     tk, tv = torch.zeros(shape), torch.zeros(shape)
-    mm = load_mlx(model_dir, "float32")
+    mm = load_mlx(model_dir, "float32", contiguous)
+    assert mm.layers[0].gate_up.shape == (cfg.hidden_size, 2 * cfg.intermediate_size)
     flat = (8 * bs, cfg.num_key_value_heads, cfg.head_dim)
     mk = [mx.zeros(flat) for _ in range(cfg.num_hidden_layers)]
     mv = [mx.zeros(flat) for _ in range(cfg.num_hidden_layers)]
