@@ -42,11 +42,11 @@ def prompt_ids(n: int = 32, seed: int = 0) -> list[int]:
 
 
 def median_pair(a, b, repeats: int) -> tuple[float, float]:
-    """Interleave two measurements `repeats` times; medians."""
+    """Interleave two measurements `repeats` times, in ABBA order so that neither always runs first; medians."""
     xs, ys = [], []
-    for _ in range(repeats):
-        xs.append(a())
-        ys.append(b())
+    for i in range(repeats):
+        for f in ((a, b) if i % 2 == 0 else (b, a)):
+            (xs if f is a else ys).append(f())
     return statistics.median(xs), statistics.median(ys)
 
 

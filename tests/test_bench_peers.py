@@ -38,3 +38,12 @@ def test_gemv_ceiling_reads_every_weight_matrix(tiny_dir, monkeypatch):
     model = engine.runner.model
     per_pass = 4 * len(model.layers) + 1                  # qkv, o, gate_up, down per layer, and the lm_head
     assert len(seen) == 2 * per_pass and torch.Size(model.embed.weight.shape) in seen   # the head, [V, H]
+
+
+def test_median_pair_alternates_which_runs_first():
+    calls = []
+    a = lambda: calls.append("a") or 1.0 + len(calls)     # noqa: E731
+    b = lambda: calls.append("b") or 100.0 + len(calls)   # noqa: E731
+    xs, ys = bench_peers.median_pair(a, b, 4)
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert xs == 5.5 and ys == 104.5        # medians of a's values (2, 5, 6, 9) and of b's (102, 103, 106, 107)
