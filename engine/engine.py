@@ -122,8 +122,7 @@ class Engine:
     def fail_all(self, message: str) -> list[Delta]:
         """End every request with an error after a failed step, leaving the engine ready for new work."""
         self.deltas = []
-        self.lookahead.inflight = None
-        self.lookahead.state = "idle"
+        self.lookahead.reset()
         for req in [*self.scheduler.running, *self.scheduler.waiting]:
             req.num_allocated = req.num_computed
             self._finish(req, "error", message)

@@ -52,6 +52,10 @@ class Lookahead:
         prev, self.inflight, self.state = self.inflight, None, "idle"
         return self._read(prev)
 
+    def reset(self) -> None:
+        """Forget the step in flight without reading it (after a failed step)."""
+        self.inflight, self.state = None, "idle"
+
     def unwind(self, req: Request, trim: Callable[[Request, int], None]) -> bool:
         """Drop a finished row's speculative positions so its KV is exactly the synchronous path's."""
         if req.num_allocated == req.num_computed:
