@@ -10,11 +10,13 @@
 4. lookahead vs PAGODA_FORCE_SYNC, torch and MLX runners
 5. decode tok/s through tritonserver gRPC streaming vs in process, same model and threads
 6. the MLX runner vs mlx-lm generate (small)
-Rates are medians of interleaved repeats; decode tok/s = (tokens - 1) / (t_last - t_first).
+Rates are medians of repeats interleaved in ABBA order; a ratio is the median of the per-pair ratios, so drift
+between pairs on a shared machine cancels. Decode tok/s = (tokens - 1) / (t_last - t_first).
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import statistics
@@ -22,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -41,17 +44,23 @@ def prompt_ids(n: int = 32, seed: int = 0) -> list[int]:
     return [rng.randrange(3, 800) for _ in range(n)]
 
 
-def median_pair(a, b, repeats: int) -> tuple[float, float]:
-    """Interleave two measurements `repeats` times, in ABBA order so that neither always runs first; medians."""
+class Pair(NamedTuple):
+    pagoda: float       # median
+    peer: float         # median
+    ratio: float        # median of the per-pair ratios: drift between pairs cancels
+
+
+def median_pair(a, b, repeats: int) -> Pair:
+    """Interleave two measurements `repeats` times, in ABBA order so that neither always runs first."""
     xs, ys = [], []
     for i in range(repeats):
         for f in ((a, b) if i % 2 == 0 else (b, a)):
             (xs if f is a else ys).append(f())
-    return statistics.median(xs), statistics.median(ys)
+    return Pair(statistics.median(xs), statistics.median(ys), statistics.median(x / y for x, y in zip(xs, ys)))
 
 
 def in_process(preset: str, dtype: str, tokens: int, repeats: int, threads: int,
-               compile: bool = False) -> tuple[float, float]:
+               compile: bool = False) -> Pair:
     model = str(cached_model(preset))
     engine = Engine(EngineConfig(model=model, dtype=dtype, num_threads=threads, compile=compile))
     p = prompt_ids()
@@ -91,7 +100,7 @@ def aggregate(engine: Engine, concurrency: int, tokens: int) -> float:
     return sum(1 for t in times if t > start) / (times[-1] - start)
 
 
-def lookahead(preset: str, runner: str, tokens: int, repeats: int, threads: int) -> tuple[float, float]:
+def lookahead(preset: str, runner: str, tokens: int, repeats: int, threads: int) -> Pair:
     model = str(cached_model(preset))
     engines = [Engine(EngineConfig(model=model, runner=runner, lookahead=la, num_threads=threads))
                for la in (True, False)]
@@ -102,7 +111,7 @@ def lookahead(preset: str, runner: str, tokens: int, repeats: int, threads: int)
                        repeats)
 
 
-def through_triton(preset: str, tokens: int, repeats: int, threads: int) -> tuple[float, float]:
+def through_triton(preset: str, tokens: int, repeats: int, threads: int) -> Pair:
     from client.stream import stream_grpc
     from scripts.tritonserver import launch
     model = str(cached_model(preset))
@@ -111,18 +120,18 @@ def through_triton(preset: str, tokens: int, repeats: int, threads: int) -> tupl
                     Path(tempfile.mkdtemp(prefix="pagoda-peers-")) / "tritonserver.log")
     engine = Engine(EngineConfig(model=model, num_threads=threads))
     greedy_run(engine, prompt_ids(seed=1), 8)
-    served, local = [], []
+    seeds = itertools.count(10), itertools.count(10)        # each side decodes the same prompts, in turn
     try:
         stream_grpc(server.grpc_url, "llm", prompt_ids(seed=1), params)
-        for i in range(repeats):                     # interleaved: the server idles while the engine runs here
-            served.append(stream_grpc(server.grpc_url, "llm", prompt_ids(seed=10 + i), params).decode_rate)
-            local.append(greedy_run(engine, prompt_ids(seed=10 + i), tokens)[1])
+        # interleaved: the server idles while the engine here runs
+        return median_pair(lambda: stream_grpc(server.grpc_url, "llm", prompt_ids(seed=next(seeds[0])),
+                                               params).decode_rate,
+                           lambda: greedy_run(engine, prompt_ids(seed=next(seeds[1])), tokens)[1], repeats)
     finally:
         server.stop()
-    return statistics.median(served), statistics.median(local)
 
 
-def mlx_vs_mlx_lm(preset: str, tokens: int, repeats: int) -> tuple[float, float]:
+def mlx_vs_mlx_lm(preset: str, tokens: int, repeats: int) -> Pair:
     from mlx_lm import load
 
     from perf.bench_mlx import mlx_lm_rate
@@ -134,10 +143,16 @@ def mlx_vs_mlx_lm(preset: str, tokens: int, repeats: int) -> tuple[float, float]
     return median_pair(lambda: greedy_run(engine, p, tokens)[1], lambda: mlx_lm_rate(lm, tok, p, tokens), repeats)
 
 
-def row(section: str, what: str, pagoda: float, peer: float, goal: float, unit: str = "tok/s") -> dict:
-    ratio = pagoda / peer if peer else float("nan")
+def row(section: str, what: str, pagoda: float, peer: float, goal: float, unit: str = "tok/s",
+        ratio: float | None = None) -> dict:
+    if ratio is None:
+        ratio = pagoda / peer if peer else float("nan")
     return {"section": section, "what": what, "pagoda": pagoda, "peer": peer, "ratio": ratio, "goal": goal,
             "unit": unit, "met": ratio >= goal}
+
+
+def paired(section: str, what: str, pair: Pair, goal: float) -> dict:
+    return row(section, what, pair.pagoda, pair.peer, goal, ratio=pair.ratio)
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -164,34 +179,30 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--out", default=str(ROOT / "perf/results"))
     args = ap.parse_args(argv)
     n, reps = (16, 1) if args.quick else (256, 2)
-    small_n, small_reps = (16, 1) if args.quick else (128, 7)
+    small_n, small_reps = (16, 1) if args.quick else (128, 15)
     big = "tiny" if args.quick else "qwen2.5-0.5b"
     t = args.threads
-    compiled: dict[str, tuple[float, float]] = {}
+    compiled: dict[str, Pair] = {}
+    decode, look = "in-process vs transformers", "lookahead vs sync"
 
     def big_compiled() -> dict:
         compiled[big] = in_process(big, "float32", n, reps, t, compile=True)
-        return row("in-process vs transformers", f"{big} fp32, --compile", *compiled[big], 1.05)
+        return paired(decode, f"{big} fp32, --compile", compiled[big], 1.05)
 
     steps = [
-        ("decode", lambda: [row("in-process vs transformers", f"{big} fp32", *in_process(big, "float32", n, reps, t),
-                                1.05),
+        ("decode", lambda: [paired(decode, f"{big} fp32", in_process(big, "float32", n, reps, t), 1.05),
                             big_compiled(),
-                            row("in-process vs transformers", f"{big} bf16", *in_process(big, "bfloat16", n, reps, t),
-                                1.0),
-                            row("in-process vs transformers", "tiny fp32", *in_process("tiny", "float32", small_n,
-                                                                                       small_reps, t), 2.5),
-                            row("in-process vs transformers", "tiny fp32, --compile",
-                                *in_process("tiny", "float32", small_n, small_reps, t, compile=True), 2.5)]),
-        ("roofline", lambda: roofline_rows(big, t, n, reps, compiled.get(big, (0.0, 0.0))[0])),
+                            paired(decode, f"{big} bf16", in_process(big, "bfloat16", n, reps, t), 1.0),
+                            paired(decode, "tiny fp32", in_process("tiny", "float32", small_n, small_reps, t), 2.5),
+                            paired(decode, "tiny fp32, --compile",
+                                   in_process("tiny", "float32", small_n, small_reps, t, compile=True), 2.5)]),
+        ("roofline", lambda: roofline_rows(big, t, n, reps, compiled[big].pagoda if big in compiled else 0.0)),
         ("concurrency", lambda: concurrency_rows(t, small_n, small_reps)),
-        ("lookahead", lambda: [row("lookahead vs sync", "torch small", *lookahead("small", "torch", small_n,
-                                                                                 small_reps, t), 0.98),
-                               row("lookahead vs sync", "mlx small", *lookahead("small", "mlx", small_n, small_reps, t),
-                                   1.15)]),
-        ("triton", lambda: [row("tritonserver vs in-process", "small, 1 thread each",
-                                *through_triton("small", small_n, small_reps, 1), 0.90)]),
-        ("mlx", lambda: [row("mlx runner vs mlx-lm", "small", *mlx_vs_mlx_lm("small", small_n, small_reps), 1.0)]),
+        ("lookahead", lambda: [paired(look, "torch small", lookahead("small", "torch", small_n, small_reps, t), 0.98),
+                               paired(look, "mlx small", lookahead("small", "mlx", small_n, small_reps, t), 1.15)]),
+        ("triton", lambda: [paired("tritonserver vs in-process", "small, 1 thread each",
+                                   through_triton("small", small_n, small_reps, 1), 0.90)]),
+        ("mlx", lambda: [paired("mlx runner vs mlx-lm", "small", mlx_vs_mlx_lm("small", small_n, small_reps), 1.0)]),
     ]
     rows: list[dict] = []
     for name, step in tqdm(steps, desc="bench-peers", unit="section", file=sys.stderr):
@@ -250,8 +261,9 @@ def concurrency_rows(threads: int, tokens: int, repeats: int) -> list[dict]:
     for _ in range(repeats):                         # interleaved, so drift on a shared machine hits all three
         for c in runs:
             runs[c].append(aggregate(engine, c, tokens))
-    rates = {c: statistics.median(r) for c, r in runs.items()}
-    return [row("aggregate decode (paged)", f"small c={c} vs c=1", rates[c], rates[1], 2.5 if c == 4 else 1.0)
+    return [paired("aggregate decode (paged)", f"small c={c} vs c=1",
+                   Pair(statistics.median(runs[c]), statistics.median(runs[1]),
+                        statistics.median(x / y for x, y in zip(runs[c], runs[1]))), 2.5 if c == 4 else 1.0)
             for c in (2, 4)]
 
 

@@ -44,6 +44,12 @@ def test_median_pair_alternates_which_runs_first():
     calls = []
     a = lambda: calls.append("a") or 1.0 + len(calls)     # noqa: E731
     b = lambda: calls.append("b") or 100.0 + len(calls)   # noqa: E731
-    xs, ys = bench_peers.median_pair(a, b, 4)
+    pair = bench_peers.median_pair(a, b, 4)
     assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]
-    assert xs == 5.5 and ys == 104.5        # medians of a's values (2, 5, 6, 9) and of b's (102, 103, 106, 107)
+    assert pair.pagoda == 5.5 and pair.peer == 104.5    # medians of a's (2, 5, 6, 9) and b's (102, 103, 106, 107)
+    assert pair.ratio == (5 / 103 + 6 / 106) / 2        # the median of the per-pair ratios, not 5.5 / 104.5
+
+
+def test_paired_row_takes_the_paired_ratio():
+    r = bench_peers.paired("lookahead vs sync", "mlx small", bench_peers.Pair(120.0, 100.0, 1.1), 1.15)
+    assert (r["pagoda"], r["peer"], r["ratio"], r["met"]) == (120.0, 100.0, 1.1, False)
