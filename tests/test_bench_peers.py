@@ -53,3 +53,18 @@ def test_median_pair_alternates_which_runs_first():
 def test_paired_row_takes_the_paired_ratio():
     r = bench_peers.paired("lookahead vs sync", "mlx small", bench_peers.Pair(120.0, 100.0, 1.1), 1.15)
     assert (r["pagoda"], r["peer"], r["ratio"], r["met"]) == (120.0, 100.0, 1.1, False)
+
+
+def test_lookahead_row_switches_one_engine(tiny_dir, monkeypatch):
+    engines, modes = set(), []
+
+    def fake_run(engine, prompt, n):
+        engines.add(id(engine))
+        modes.append(engine.lookahead.enabled)
+        return 0.0, 200.0 if engine.lookahead.enabled else 100.0
+    monkeypatch.setattr(bench_peers, "cached_model", lambda preset: tiny_dir)
+    monkeypatch.setattr(bench_peers, "greedy_run", fake_run)
+    pair = bench_peers.lookahead("tiny", "torch", 4, 2, 1)
+    assert len(engines) == 1
+    assert modes == [True, False, True, False, False, True]     # warm-up, then ABBA
+    assert pair == bench_peers.Pair(200.0, 100.0, 2.0)
