@@ -39,16 +39,19 @@ def main() -> None:
     from mlx_lm import load
     path = str(cached_model(args.preset))
     model, tokenizer = load(path)
-    engines = {f"pagoda mlx {name}": Engine(EngineConfig(model=path, runner="mlx", lookahead=name == "lookahead",
-                                                          kv_storage=args.kv_storage))
-               for name in ("lookahead", "sync")}
+    # one engine, its lookahead switched per request: two engines built one after the other differ by placement
+    engine = Engine(EngineConfig(model=path, runner="mlx", kv_storage=args.kv_storage))
+
+    def pagoda(lookahead: bool, prompt: list[int], n: int) -> float:
+        engine.lookahead.enabled = lookahead
+        return greedy_run(engine, prompt, n)[1]
     rng = random.Random(0)
-    runs: dict[str, list[float]] = {"mlx-lm": [], **{k: [] for k in engines}}
+    runs: dict[str, list[float]] = {"mlx-lm": [], "pagoda mlx lookahead": [], "pagoda mlx sync": []}
     for i in range(args.repeats + 1):
         prompt = [rng.randrange(3, 800) for _ in range(args.prompt_tokens)]
         n = 8 if i == 0 else args.max_tokens                      # the first round warms up
-        rates = {"mlx-lm": mlx_lm_rate(model, tokenizer, prompt, n)}
-        rates.update({k: greedy_run(e, prompt, n)[1] for k, e in engines.items()})
+        rates = {"mlx-lm": mlx_lm_rate(model, tokenizer, prompt, n),
+                 "pagoda mlx lookahead": pagoda(True, prompt, n), "pagoda mlx sync": pagoda(False, prompt, n)}
         if i:
             for k, v in rates.items():
                 runs[k].append(v)
