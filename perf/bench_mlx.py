@@ -39,7 +39,7 @@ def main() -> None:
     from mlx_lm import load
     path = str(cached_model(args.preset))
     model, tokenizer = load(path)
-    # one engine, its lookahead switched per request: two engines built one after the other differ by placement
+    # one engine, its lookahead switched per request: two identical engines differ by build order alone
     engine = Engine(EngineConfig(model=path, runner="mlx", kv_storage=args.kv_storage))
 
     def pagoda(lookahead: bool, prompt: list[int], n: int) -> float:
