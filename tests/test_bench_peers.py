@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 from perf import bench_peers
 
@@ -68,3 +69,36 @@ def test_lookahead_row_switches_one_engine(tiny_dir, monkeypatch):
     assert len(engines) == 1
     assert modes == [True, False, True, False, False, True]     # warm-up, then ABBA
     assert pair == bench_peers.Pair(200.0, 100.0, 2.0)
+
+
+def test_roofline_pairs_each_decode_run_with_its_own_ceilings(tiny_dir, monkeypatch):
+    events, rates, bandwidths = [], iter([0.0, 10.0, 20.0, 30.0]), iter([300.0, 100.0, 200.0])  # 0.0: warm-up
+
+    def fake_run(engine, prompt, n):
+        events.append("decode")
+        return 0.0, next(rates)
+
+    def fake_bandwidth(x, reads=5):
+        events.append("sum")
+        return next(bandwidths)
+
+    def fake_ceiling(engine, repeats=5, linear=None):
+        events.append("pass")
+        return 20.0
+    monkeypatch.setattr(bench_peers, "cached_model", lambda preset: tiny_dir)
+    monkeypatch.setattr(bench_peers, "greedy_run", fake_run)
+    monkeypatch.setattr(bench_peers, "sum_bandwidth", fake_bandwidth)
+    monkeypatch.setattr(bench_peers, "SUM_BYTES", 1 << 12)
+    monkeypatch.setattr(bench_peers, "gemv_ceiling", fake_ceiling)
+    rows = bench_peers.roofline_rows("tiny", 1, 4, 2, compiled_rate=5.0)
+    assert events == ["decode"] + ["sum", "decode", "pass", "pass"] * 3      # warm-up, then 3 interleaved runs
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    weights = sum(p.numel() * p.element_size()
+                  for p in Engine(EngineConfig(model=tiny_dir, dtype="float32")).runner.model.parameters())
+    roof = rows[0]
+    per_run = [10.0 / (300 / weights), 20.0 / (100 / weights), 30.0 / (200 / weights)]
+    assert roof["ratio"] == statistics.median(per_run) != 20.0 / (200 / weights)    # not the ratio of medians
+    assert roof["pagoda"] == 20.0 and roof["peer"] == 200 / weights
+    assert rows[1]["ratio"] == 1.0 and rows[2]["ratio"] == 1.0           # median rate 20 against a 20 tok/s pass
+    assert rows[3]["pagoda"] == 5.0 and rows[3]["peer"] == 200 / weights
