@@ -41,17 +41,14 @@ def main() -> None:
     model, tokenizer = load(path)
     # one engine, its lookahead switched per request: two identical engines differ by build order alone
     engine = Engine(EngineConfig(model=path, runner="mlx", kv_storage=args.kv_storage))
-
-    def pagoda(lookahead: bool, prompt: list[int], n: int) -> float:
-        engine.lookahead.enabled = lookahead
-        return greedy_run(engine, prompt, n)[1]
     rng = random.Random(0)
     runs: dict[str, list[float]] = {"mlx-lm": [], "pagoda mlx lookahead": [], "pagoda mlx sync": []}
     for i in range(args.repeats + 1):
         prompt = [rng.randrange(3, 800) for _ in range(args.prompt_tokens)]
         n = 8 if i == 0 else args.max_tokens                      # the first round warms up
         rates = {"mlx-lm": mlx_lm_rate(model, tokenizer, prompt, n),
-                 "pagoda mlx lookahead": pagoda(True, prompt, n), "pagoda mlx sync": pagoda(False, prompt, n)}
+                 "pagoda mlx lookahead": greedy_run(engine, prompt, n, lookahead=True)[1],
+                 "pagoda mlx sync": greedy_run(engine, prompt, n, lookahead=False)[1]}
         if i:
             for k, v in rates.items():
                 runs[k].append(v)

@@ -103,12 +103,9 @@ def lookahead(preset: str, runner: str, tokens: int, repeats: int, threads: int)
     engines built one after the other read 0.95-1.10 of each other here, by build order alone."""
     engine = Engine(EngineConfig(model=str(cached_model(preset)), runner=runner, num_threads=threads))
     p = prompt_ids()
-
-    def run(enabled: bool, n: int = tokens) -> float:
-        engine.lookahead.enabled = enabled
-        return greedy_run(engine, p, n)[1]
-    run(True, 8), run(False, 8)
-    return median_pair(lambda: run(True), lambda: run(False), repeats)
+    greedy_run(engine, p, 8, lookahead=True), greedy_run(engine, p, 8, lookahead=False)
+    return median_pair(lambda: greedy_run(engine, p, tokens, lookahead=True)[1],
+                       lambda: greedy_run(engine, p, tokens, lookahead=False)[1], repeats)
 
 
 def through_triton(preset: str, tokens: int, repeats: int, threads: int) -> Pair:

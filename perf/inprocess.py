@@ -7,8 +7,12 @@ from engine.engine import Engine
 from engine.sampling import SamplingParams
 
 
-def greedy_run(engine: Engine, prompt: str | list[int], max_tokens: int) -> tuple[float, float]:
-    """(TTFT in seconds, decode tok/s = (tokens - 1) / (t_last - t_first)), EOS ignored."""
+def greedy_run(engine: Engine, prompt: str | list[int], max_tokens: int,
+               lookahead: bool | None = None) -> tuple[float, float]:
+    """(TTFT in seconds, decode tok/s = (tokens - 1) / (t_last - t_first)), EOS ignored. `lookahead` switches the
+    engine's lookahead for this request (False: the PAGODA_FORCE_SYNC path); None leaves it as configured."""
+    if lookahead is not None:
+        engine.lookahead.enabled = lookahead
     start = time.perf_counter()
     engine.add(engine.make_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)))
     times: list[float] = []

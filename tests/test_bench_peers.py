@@ -59,10 +59,10 @@ def test_paired_row_takes_the_paired_ratio():
 def test_lookahead_row_switches_one_engine(tiny_dir, monkeypatch):
     engines, modes = set(), []
 
-    def fake_run(engine, prompt, n):
+    def fake_run(engine, prompt, n, lookahead=None):
         engines.add(id(engine))
-        modes.append(engine.lookahead.enabled)
-        return 0.0, 200.0 if engine.lookahead.enabled else 100.0
+        modes.append(lookahead)
+        return 0.0, 200.0 if lookahead else 100.0
     monkeypatch.setattr(bench_peers, "cached_model", lambda preset: tiny_dir)
     monkeypatch.setattr(bench_peers, "greedy_run", fake_run)
     pair = bench_peers.lookahead("tiny", "torch", 4, 2, 1)
