@@ -72,7 +72,10 @@ def test_lookahead_row_switches_one_engine(tiny_dir, monkeypatch):
 
 
 def test_roofline_pairs_each_decode_run_with_its_own_ceilings(tiny_dir, monkeypatch):
-    events, rates, bandwidths = [], iter([0.0, 10.0, 20.0, 30.0]), iter([300.0, 100.0, 200.0])  # 0.0: warm-up
+    # each run's roofline: the faster of a plain and a huge-page probe (300, 100, 200 bytes/s)
+    huge = bench_peers.hugepages.supported()
+    probes = [300.0, 250.0, 80.0, 100.0, 200.0, 150.0] if huge else [300.0, 100.0, 200.0]
+    events, rates, bandwidths = [], iter([0.0, 10.0, 20.0, 30.0]), iter(probes)          # 0.0: warm-up
 
     def fake_run(engine, prompt, n):
         events.append("decode")
@@ -90,8 +93,9 @@ def test_roofline_pairs_each_decode_run_with_its_own_ceilings(tiny_dir, monkeypa
     monkeypatch.setattr(bench_peers, "sum_bandwidth", fake_bandwidth)
     monkeypatch.setattr(bench_peers, "SUM_BYTES", 1 << 12)
     monkeypatch.setattr(bench_peers, "gemv_ceiling", fake_ceiling)
-    rows = bench_peers.roofline_rows("tiny", 1, 4, 2, compiled_rate=5.0)
-    assert events == ["decode"] + ["sum", "decode", "pass", "pass"] * 3      # warm-up, then 3 interleaved runs
+    rows = bench_peers.roofline_rows("tiny", 1, 4, 2)
+    sums = ["sum", "sum"] if huge else ["sum"]
+    assert events == ["decode"] + [*sums, "decode", "pass", "pass"] * 3      # warm-up, then 3 interleaved runs
     from engine.config import EngineConfig
     from engine.engine import Engine
     weights = sum(p.numel() * p.element_size()
@@ -101,4 +105,4 @@ def test_roofline_pairs_each_decode_run_with_its_own_ceilings(tiny_dir, monkeypa
     assert roof["ratio"] == statistics.median(per_run) != 20.0 / (200 / weights)    # not the ratio of medians
     assert roof["pagoda"] == 20.0 and roof["peer"] == 200 / weights
     assert rows[1]["ratio"] == 1.0 and rows[2]["ratio"] == 1.0           # median rate 20 against a 20 tok/s pass
-    assert rows[3]["pagoda"] == 5.0 and rows[3]["peer"] == 200 / weights
+    assert len(rows) == 3

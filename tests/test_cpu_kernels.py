@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from engine import LLM, SamplingParams
 from engine.kernels import CALLS, cpu_attention, cpu_gemv, cpu_pointwise, reference, select
 from engine.models.presets import make_model
-from engine.models.qwen2 import Linear
+from engine.models.qwen2 import Linear, RMSNorm, Rope
 from tests.conftest import random_ids
 
 
@@ -84,6 +84,39 @@ def test_rms_norm_and_silu_mul_match_torch(gemv, m, n):
     torch.testing.assert_close(pw.silu_mul(gu), F.silu(gu[:, :n]) * gu[:, n:], rtol=1e-5, atol=1e-5)
 
 
+def test_silu_mul_holds_at_the_exponent_clamp_and_past_it(gemv):
+    g = torch.tensor([-100.0, -88.0, -87.0, -20.0, -1e-3, 0.0, 1e-3, 3.0, 20.0, 87.0, 88.0, 100.0, 5.0, -5.0, 0.5, 9.0])
+    gu = torch.cat([g, torch.linspace(-2, 2, 16)])[None]
+    want = F.silu(g) * gu[0, 16:]
+    torch.testing.assert_close(cpu_pointwise.load().silu_mul(gu)[0], want, rtol=1e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("t,heads,rotated,hd", [(1, 18, 16, 64), (3, 4, 3, 128), (2, 9, 8, 12)])
+def test_rope_rotates_the_given_heads_in_place_as_rope_apply(gemv, t, heads, rotated, hd):
+    rope = Rope(hd, 256, 1e6)
+    cos, signed_sin = rope.tables(torch.tensor([0, 77, 255][:t]), torch.float32)
+    x = torch.randn(t, heads, hd)
+    got = x.clone()
+    cpu_pointwise.load().rope(got, cos, signed_sin, heads=rotated)
+    torch.testing.assert_close(got[:, :rotated], Rope.apply(x[:, :rotated], cos, signed_sin), rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[:, rotated:], x[:, rotated:])           # v heads untouched
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_fused_gemv_folds_in_norm_swiglu_and_residual(gemv, m):
+    g = torch.Generator().manual_seed(m)
+    x, w, b, res = (torch.randn(*s, generator=g) for s in ((m, 96), (1152, 96), (1152,), (m, 1152)))
+    norm = RMSNorm(96, 1e-6)
+    norm.weight.data = torch.randn(96, generator=g)
+    with torch.no_grad():
+        want = F.linear(F.rms_norm(x, (96,), norm.weight, 1e-6), w, b)
+        torch.testing.assert_close(gemv.fused(x, w, b, norm=norm), want, rtol=1e-5, atol=1e-4)
+        gu, down = torch.randn(m, 2 * 200, generator=g) * 3, torch.randn(96, 200, generator=g)
+        want = F.linear(F.silu(gu[:, :200]) * gu[:, 200:], down) + x
+        torch.testing.assert_close(gemv.fused(gu, down, silu=True, residual=x), want, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(gemv.fused(x, w, residual=res), F.linear(x, w) + res, rtol=1e-5, atol=1e-4)
+
+
 def test_attention_choice(monkeypatch):
     assert select("auto", "cpu", "bfloat16").name == "reference"
     with pytest.raises(ValueError, match="attention: cpu needs float32 on a CPU, got bfloat16 on cpu"):
@@ -101,10 +134,12 @@ def cpu_build_ok() -> bool:
 
 
 def test_engine_routes_decode_to_the_kernels_and_generates_what_torch_does(gemv, small_dir, monkeypatch):
-    calls = []
-    real = cpu_gemv.CpuGemv.__call__
+    calls, fused = [], []
+    real, real_fused = cpu_gemv.CpuGemv.__call__, cpu_gemv.CpuGemv.fused
     monkeypatch.setattr(cpu_gemv.CpuGemv, "__call__", lambda self, x, w, b=None: calls.append(x.shape[0])
                         or real(self, x, w, b))
+    monkeypatch.setattr(cpu_gemv.CpuGemv, "fused", lambda self, x, *a, **kw: fused.append(x.shape[0])
+                        or real_fused(self, x, *a, **kw))
     prompts = [random_ids(40, seed=1), random_ids(9, seed=2)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     fast = LLM(model=small_dir, dtype="float32", max_batch_size=2)
@@ -113,10 +148,10 @@ def test_engine_routes_decode_to_the_kernels_and_generates_what_torch_does(gemv,
     before = CALLS["cpu"]
     got = [o.token_ids for o in fast.generate(prompts, params)]
     assert CALLS["cpu"] > before and fast.engine.runner.ops.name == "cpu"
-    assert all(layer.pointwise is not None for layer in model.layers)
+    assert all(layer.kernels == (fast.engine.runner.gemv, model.norm.pointwise) for layer in model.layers)
     layers = len(model.layers)
-    assert calls and max(calls) <= cpu_gemv.MAX_ROWS
-    assert len(calls) >= 23 * (4 * layers + 1)           # every projection and the head of every decode step
+    assert calls and max(calls + fused) <= cpu_gemv.MAX_ROWS
+    assert len(fused) >= 23 * 4 * layers and len(calls) >= 23      # every projection and the head of every step
     monkeypatch.setenv("PAGODA_CPU_KERNELS", "0")
     plain = LLM(model=small_dir, dtype="float32", max_batch_size=2)
     assert plain.engine.runner.gemv is None and plain.engine.runner.ops.name == "reference"
@@ -124,17 +159,23 @@ def test_engine_routes_decode_to_the_kernels_and_generates_what_torch_does(gemv,
     assert fast.engine.pool.num_used == 0
 
 
-def test_torch_serves_small_weights_bf16_and_compiled_decode(tiny_dir, small_dir):
+def test_torch_serves_small_weights_bf16_and_compiled_decode(tiny_dir, small_dir, monkeypatch):
     tiny = LLM(model=tiny_dir, dtype="float32").engine.runner
     if tiny.gemv is not None:
         assert all(mod.gemv is None for mod in tiny.model.layers.modules() if isinstance(mod, Linear))  # too small
         assert tiny.model.head_gemv is tiny.gemv                                                 # [1024, 64]
+        assert all(layer.kernels is not None for layer in tiny.model.layers)    # fused calls take any size
     bf16 = LLM(model=small_dir, dtype="bfloat16").engine.runner
     if bf16.gemv is not None:                     # the GEMV takes bf16; attention and the pointwise ops stay on torch
         assert bf16.model.head_gemv is bf16.gemv and bf16.ops.name == "reference"
-        assert all(layer.pointwise is None for layer in bf16.model.layers)
-    compiled = LLM(model=small_dir, dtype="float32", compile=True).engine.runner
-    assert all(layer.pointwise is None for layer in compiled.model.layers)     # the graph fuses these itself
+        assert all(layer.kernels is None for layer in bf16.model.layers)
+    compiled = LLM(model=small_dir, dtype="float32", kv_storage="paged", compile=True).engine.runner
+    if compiled.gemv is not None:       # fp32 decode on the fused kernels outruns the graph: compile stands down
+        assert compiled.compiled is None and all(layer.kernels is not None for layer in compiled.model.layers)
+    monkeypatch.setattr(cpu_pointwise, "load", lambda: None)          # no fused layers: the graph serves
+    compiled = LLM(model=small_dir, dtype="float32", kv_storage="paged", compile=True).engine.runner
+    assert compiled.compiled is not None
+    assert all(layer.kernels is None for layer in compiled.model.layers)     # the graph fuses these itself
     assert all(mod.gemv is None for mod in compiled.model.modules() if isinstance(mod, Linear))   # all < 2 MiB
 
 

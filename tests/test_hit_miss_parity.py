@@ -7,18 +7,39 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import LLM, SamplingParams
+from engine.kernels import cpu_attention, cpu_gemv, cpu_pointwise
 from tests.conftest import random_ids
 
 
+def shapes(args) -> tuple:
+    return tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args)
+
+
 class OpLog(TorchDispatchMode):
+    active: OpLog | None = None           # the log the C kernels' calls go to (see log_kernels)
+
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[tuple] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        shapes = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args)
-        self.ops.append((str(func), shapes))
+        self.ops.append((str(func), shapes(args)))
         return func(*args, **(kwargs or {}))
+
+
+KERNELS = [(cpu_gemv.CpuGemv, "__call__"), (cpu_gemv.CpuGemv, "fused"), (cpu_attention.CpuDecode, "__call__"),
+           (cpu_pointwise.CpuPointwise, "rms_norm"), (cpu_pointwise.CpuPointwise, "rope")]
+
+
+@pytest.fixture(autouse=True)
+def log_kernels(monkeypatch):
+    """The CPU kernels run outside torch's dispatcher: their calls go into the active log too."""
+    for cls, name in KERNELS:
+        def logged(self, *args, _real=getattr(cls, name), _name=f"{cls.__name__}.{name}", **kwargs):
+            if OpLog.active is not None:
+                OpLog.active.ops.append((_name, shapes(args) + shapes(kwargs.values())))
+            return _real(self, *args, **kwargs)
+        monkeypatch.setattr(cls, name, logged)
 
 
 def decode_tick_ops(llm: LLM, prompt: list[int], at: int) -> tuple[list[tuple], int]:
@@ -28,9 +49,10 @@ def decode_tick_ops(llm: LLM, prompt: list[int], at: int) -> tuple[list[tuple], 
     log = None
     while eng.has_work:
         if req.num_allocated == at and log is None and not req.prefilling:
-            log = OpLog()
+            log = OpLog.active = OpLog()
             with log:
                 eng.step()
+            OpLog.active = None
         else:
             eng.step()
     assert log is not None
@@ -47,4 +69,7 @@ def test_decode_tick_is_identical_after_hit_and_miss(tiny_dir, storage, batch):
     hit_ops, hit_cached = decode_tick_ops(llm, hit, at=105)
     assert miss_cached == 0 and hit_cached == (64 if storage == "paged" else 77)
     assert len(miss_ops) > 50
+    if llm.engine.runner.model.layers[0].kernels is not None:         # fused CPU decode: its calls logged too
+        assert sum(op[0] == "CpuGemv.fused" for op in miss_ops) == 4 * len(llm.engine.runner.model.layers)
     assert hit_ops == miss_ops
+

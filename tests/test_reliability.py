@@ -45,7 +45,8 @@ def settle(srv, used: float, cancelled: float | None = None, timeout: float = 20
                 cancelled is None or value(srv, "pagoda_requests_total", status="cancelled") >= cancelled):
             return
         time.sleep(0.1)
-    raise AssertionError(f"not settled: used {value(srv, 'pagoda_kv_blocks', state='used')} (want {used})")
+    raise AssertionError(f"not settled: used {value(srv, 'pagoda_kv_blocks', state='used')} (want {used}), "
+                         f"cancelled {value(srv, 'pagoda_requests_total', status='cancelled')} (want {cancelled})")
 
 
 def long_request(seed: int, max_tokens: int = 300) -> list:
@@ -199,7 +200,8 @@ def test_requests_cancelled_while_queued_return_their_blocks(tiny_dir, tmp_path)
     srv = triton_server.launch({"PAGODA_MODEL": tiny_dir, "PAGODA_DTYPE": "float32", "PAGODA_MAX_BATCH_SIZE": "2"},
                                tmp_path / "server.log")
     try:
-        blockers = [threading.Thread(target=collect, args=(srv, long_request(s, 400))) for s in (1, 2)]
+        # long enough to still hold both rows when the cancels land (~0.8 s in), at any decode speed seen here
+        blockers = [threading.Thread(target=collect, args=(srv, long_request(s, 2000))) for s in (1, 2)]
         for t in blockers:
             t.start()
         time.sleep(0.5)

@@ -9,6 +9,8 @@
 
 #include <vector>
 
+#include "cpu_math.h"
+
 static inline float dot(const float* a, const float* b, int64_t n) {
     __m256 acc = _mm256_setzero_ps();
     int64_t i = 0;
@@ -18,6 +20,23 @@ static inline float dot(const float* a, const float* b, int64_t n) {
     float r = _mm_cvtss_f32(_mm_hadd_ps(s, s));
     for (; i < n; i++) r += a[i] * b[i];
     return r;
+}
+
+// s[p] = e^(s[p] - top) in place; returns their sum
+static inline float exp_shifted(float* s, int64_t n, float top) {
+    const __m256 t = _mm256_set1_ps(top);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t p = 0;
+    for (; p + 8 <= n; p += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + p), t));
+        _mm256_storeu_ps(s + p, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float lane[8], total = 0.f;
+    _mm256_storeu_ps(lane, acc);
+    for (float v : lane) total += v;
+    for (; p < n; p++) total += (s[p] = expf(s[p] - top));
+    return total;
 }
 
 static inline void axpy(float a, const float* x, float* y, int64_t n) {     // y += a * x
@@ -54,8 +73,7 @@ extern "C" void paged_decode_f32(const float* q, const float* k, const float* v,
                 scores[p] = dot(qh, k_cache + slot * row + off, hd) * scale;
                 top = scores[p] > top ? scores[p] : top;
             }
-            float total = 0.f;
-            for (int64_t p = 0; p < len; p++) total += (scores[p] = expf(scores[p] - top));
+            float total = exp_shifted(scores.data(), len, top);
             float* o = out + bh * hd;
             memset(o, 0, hd * sizeof(float));
             for (int64_t p = 0; p < len; p++) {

@@ -18,6 +18,7 @@ from engine.models.presets import cache_root
 log = logging.getLogger("pagoda")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_pointwise.cpp")]
+HEADERS = [Path(__file__).with_name("cpu_math.h")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 
 
@@ -26,7 +27,7 @@ def build() -> Path:
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler ({cxx})")
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join([cxx, *FLAGS]).encode())
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join([cxx, *FLAGS]).encode())
     out = cache_root() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out

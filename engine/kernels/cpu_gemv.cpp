@@ -117,6 +117,26 @@ extern "C" void gemv_f32(const float* x, int64_t m, const float* w, const float*
     gemv(x, m, w, bias, y, n, k, threads);
 }
 
+extern "C" void rms_norm_f32(const float* x, const float* w, float eps, float* out, int64_t m, int64_t n);
+extern "C" void silu_mul_f32(const float* gu, float* out, int64_t m, int64_t n);
+
+// fp32 with a decode layer's neighbouring ops folded in, to save their dispatch: the input RMS-normalised by
+// norm_w first, or (silu) x is [m, 2k] = [gate | up] and the input silu(gate) * up; then residual [m, n] added.
+extern "C" void gemv_fused_f32(const float* x, int64_t m, const float* w, const float* bias, float* y, int64_t n,
+                               int64_t k, int threads, const float* norm_w, float eps, int silu,
+                               const float* residual) {
+    thread_local std::vector<float> in;
+    if (norm_w != nullptr || silu) {
+        in.resize(m * k);
+        if (norm_w != nullptr) rms_norm_f32(x, norm_w, eps, in.data(), m, k);
+        else silu_mul_f32(x, in.data(), m, k);
+        x = in.data();
+    }
+    gemv(x, m, w, bias, y, n, k, threads);
+    if (residual != nullptr)
+        for (int64_t i = 0; i < m * n; i++) y[i] += residual[i];
+}
+
 extern "C" void gemv_bf16(const bf16* x, int64_t m, const bf16* w, const bf16* bias, bf16* y,
                           int64_t n, int64_t k, int threads) {
     // x widened once, in the bf16 block's lane order: per 16-chunk, 8 even then 8 odd; the tail as is

@@ -32,6 +32,10 @@ class CpuGemv:
             fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                            ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
             fn.restype = None
+        self.fused_fn = lib.gemv_fused_f32
+        self.fused_fn.argtypes = [*self.fns[torch.float32].argtypes, ctypes.c_void_p, ctypes.c_float, ctypes.c_int,
+                                  ctypes.c_void_p]
+        self.fused_fn.restype = None
         self.threads = threads
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -40,6 +44,19 @@ class CpuGemv:
         y = torch.empty((x.shape[0], n), dtype=x.dtype)
         self.fns[weight.dtype](x.data_ptr(), x.shape[0], weight.data_ptr(), None if bias is None else bias.data_ptr(),
                                y.data_ptr(), n, k, self.threads)
+        return y
+
+    def fused(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, norm=None,
+              silu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 F.linear with a decode layer's neighbours in the same call: of norm(x) (an RMSNorm: its weight and
+        eps), or of silu(gate) * up where x = [gate | up] (silu); plus residual [m, n]. Any size of weight."""
+        x = x.contiguous()
+        n, k = weight.shape
+        y = torch.empty((x.shape[0], n), dtype=x.dtype)
+        residual = None if residual is None else residual.contiguous()
+        self.fused_fn(x.data_ptr(), x.shape[0], weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                      y.data_ptr(), n, k, self.threads, None if norm is None else norm.weight.data_ptr(),
+                      0.0 if norm is None else norm.eps, int(silu), None if residual is None else residual.data_ptr())
         return y
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""Decode's small fp32 ops on a CPU (cpu_pointwise.cpp), one ctypes call each: RMSNorm and SwiGLU."""
+"""Decode's small fp32 ops on a CPU (cpu_pointwise.cpp), one ctypes call each: RMSNorm, SwiGLU and RoPE."""
 from __future__ import annotations
 
 import ctypes
@@ -18,6 +18,8 @@ class CpuPointwise:
         self.norm_fn, self.silu_fn = lib.rms_norm_f32, lib.silu_mul_f32
         self.norm_fn.argtypes, self.norm_fn.restype = [_P, _P, ctypes.c_float, _P, _I, _I], None
         self.silu_fn.argtypes, self.silu_fn.restype = [_P, _P, _I, _I], None
+        self.rope_fn = lib.rope_f32
+        self.rope_fn.argtypes, self.rope_fn.restype = [_P, _P, _P, _I, _I, _I, _I], None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """F.rms_norm(x, weight.shape, weight, eps) for contiguous fp32 x [m, n]."""
@@ -33,6 +35,12 @@ class CpuPointwise:
         out = torch.empty((m, n), dtype=gate_up.dtype)
         self.silu_fn(gate_up.data_ptr(), out.data_ptr(), m, n)
         return out
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int) -> None:
+        """Rope.apply in place on heads [0, heads) of contiguous x [t, h, hd]; cos, signed_sin of [t, 1, hd]."""
+        t, h, hd = x.shape
+        self.rope_fn(x.data_ptr(), cos.contiguous().data_ptr(), signed_sin.contiguous().data_ptr(), t, heads,
+                     h * hd, hd)
 
 
 def load() -> CpuPointwise | None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.models import hugepages
 from engine.models.config import ModelConfig
 from engine.models.qwen2 import Qwen2, Rope
 
@@ -80,4 +81,6 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu") -> Qw
     if missing:
         raise ValueError(f"model: {path} lacks weights for {missing[:4]}")
     model.rope = Rope(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    hugepages.pack(model)                 # CPU only: decode streams the weights every token
+    return model

@@ -17,7 +17,7 @@ Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tens
 
 
 class RMSNorm(nn.Module):
-    pointwise = None                  # fp32 decode rows: one C call (kernels.cpu_pointwise); see Qwen2.use_pointwise
+    pointwise = None                  # fp32 decode rows: one C call (kernels.cpu_pointwise); see Qwen2.use_kernels
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -65,7 +65,7 @@ class Rope(nn.Module):
 
 
 class Layer(nn.Module):
-    pointwise = None
+    kernels = None                    # fp32 decode on a CPU: (CpuGemv, CpuPointwise); see Qwen2.use_kernels
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -82,15 +82,27 @@ class Layer(nn.Module):
                 attn: Attention) -> torch.Tensor:
         # Submodules are called through .forward: nn.Module.__call__ costs ~6 us a call, a third of a small op.
         t, nh, nkv = x.shape[0], self.n_heads, self.n_kv
+        if self.kernels is not None and t <= self.kernels[0].max_rows:      # decode steps
+            return self.fused(idx, x, rope, attn)
         qkv = self.qkv.forward(self.input_norm.forward(x)).view(t, nh + 2 * nkv, self.head_dim)
         qk = Rope.apply(qkv[:, :nh + nkv], *rope)           # q and k heads rotated together
         q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]
         x = x + self.o_proj.forward(attn(idx, q, k, v).reshape(t, -1))
-        gate_up = self.gate_up.forward(self.post_norm.forward(x))
-        if self.pointwise is not None and t <= self.pointwise.max_rows:       # set for fp32 models only
-            return x + self.down.forward(self.pointwise.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
+        gate, up = self.gate_up.forward(self.post_norm.forward(x)).chunk(2, dim=-1)
         return x + self.down.forward(F.silu(gate) * up)
+
+    def fused(self, idx: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+              attn: Attention) -> torch.Tensor:
+        """The same layer in six C calls, each norm, SwiGLU and residual folded into the projection beside it:
+        at decode sizes a torch op costs more in dispatch than in arithmetic."""
+        gemv, pointwise = self.kernels
+        t, nh, nkv = x.shape[0], self.n_heads, self.n_kv
+        qkv = gemv.fused(x, self.qkv.weight, self.qkv.bias, norm=self.input_norm).view(t, nh + 2 * nkv, -1)
+        pointwise.rope(qkv, *rope, heads=nh + nkv)
+        x = gemv.fused(attn(idx, qkv[:, :nh], qkv[:, nh:nh + nkv], qkv[:, nh + nkv:]).reshape(t, -1),
+                       self.o_proj.weight, residual=x)
+        gate_up = gemv.fused(x, self.gate_up.weight, norm=self.post_norm)
+        return gemv.fused(gate_up, self.down.weight, silu=True, residual=x)
 
 
 class Qwen2(nn.Module):
@@ -127,8 +139,9 @@ class Qwen2(nn.Module):
                 mod.gemv = gemv if gemv is not None and gemv.fits(mod.weight) else None
         self.head_gemv = gemv if gemv is not None and gemv.fits(self.head_weight) else None
 
-    def use_pointwise(self, pointwise) -> None:
-        """fp32 decode's RMSNorm and SwiGLU through `pointwise` (kernels.cpu_pointwise); None: torch's ops."""
-        for mod in self.modules():
-            if isinstance(mod, (RMSNorm, Layer)):
-                mod.pointwise = pointwise
+    def use_kernels(self, gemv, pointwise) -> None:
+        """fp32 decode's layers through the fused C calls and the final norm through `pointwise`
+        (kernels.cpu_gemv, kernels.cpu_pointwise); None: torch's ops."""
+        self.norm.pointwise = pointwise
+        for layer in self.layers:
+            layer.kernels = None if gemv is None or pointwise is None else (gemv, pointwise)

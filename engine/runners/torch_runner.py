@@ -1,6 +1,7 @@
 """Torch runner: CUDA (stream-ordered steps, event-guarded copies to pinned memory) or CPU (same calls, no overlap)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from engine.runners import torch_attention
 from engine.runners.base import Geometry, Row, flatten, in_order
 from engine.runners.torch_compiled import CompiledDecode
 from engine.runners.torch_sampler import sample
+
+log = logging.getLogger("pagoda")
 
 
 @dataclass(slots=True)
@@ -45,16 +48,19 @@ class TorchRunner:
         self.generators: dict[int, torch.Generator] = {}
         self.default_generator = torch.Generator(self.device).manual_seed(0)
         self.tokens_computed = 0
-        self.compile = compile
         self.compiled: CompiledDecode | None = None
-        # decode on a CPU: projections and logits through the bandwidth-bound GEMV (fp32, bf16); fp32 norms and
-        # SwiGLU in C too
+        # decode on a CPU: projections and logits through the bandwidth-bound GEMV (fp32, bf16); fp32 layers as
+        # fused C calls (norms, RoPE, SwiGLU and residuals folded in)
         self.gemv = None
         if self.device.type == "cpu" and self.dtype in cpu_gemv.DTYPES:
             self.gemv = cpu_gemv.load(torch.get_num_threads())
             self.model.use_gemv(self.gemv)
-            if self.dtype == torch.float32 and not compile:
-                self.model.use_pointwise(cpu_pointwise.load())
+            if self.dtype == torch.float32:
+                self.model.use_kernels(self.gemv, cpu_pointwise.load())
+        fused = self.model.layers[0].kernels is not None
+        if compile and fused:
+            log.info("compile: fp32 decode runs the fused CPU kernels, which outrun the compiled graph; not compiling")
+        self.compile = compile and not fused
 
     def init_paged(self, num_blocks: int, block_size: int) -> None:
         shape = (self.layers, num_blocks, block_size, *self.kv_shape)
