@@ -32,13 +32,25 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_hadd_ps(s, s));
 }
 
-// Sums of the vector lanes plus the scalar tail [i, k), stored: y[c * ldy + r] for r < R, c < C.
+// The lane sums of four vectors at once: [sum(a), sum(b), sum(c), sum(d)]
+static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 all = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1));
+}
+
+// Sums of the vector lanes plus the scalar tail [i, k), stored: y[c * ldy + r] for r < R, c < C. Four accumulators
+// are reduced together: at decode's short rows (k = 256) one at a time cost as much as the loop.
 template <typename T, int R, int C>
 static inline void finish(__m256 (&acc)[C][R], const float* x, const T* w, int64_t i, int64_t k, const T* bias,
                           T* y, int64_t ldy) {
+    float sums[C * R];
+    __m256* v = &acc[0][0];
+    int j = 0;
+    for (; j + 4 <= C * R; j += 4) _mm_storeu_ps(sums + j, hsum4(v[j], v[j + 1], v[j + 2], v[j + 3]));
+    for (; j < C * R; j++) sums[j] = hsum(v[j]);
     for (int c = 0; c < C; c++)
         for (int r = 0; r < R; r++) {
-            float s = hsum(acc[c][r]);
+            float s = sums[c * R + r];
             for (int64_t t = i; t < k; t++) s += widen(w[r * k + t]) * x[c * k + t];
             store(y + c * ldy + r, bias ? s + widen(bias[r]) : s);
         }
@@ -56,6 +68,7 @@ static inline void block(const float* x, const float* w, int64_t k, const float*
         for (int r = 0; r < R; r++) wv[r] = _mm256_loadu_ps(w + r * k + i);
         for (int c = 0; c < C; c++) {
             __m256 xv = _mm256_loadu_ps(x + c * k + i);
+            if (R > 1) __asm__("" : "+x"(xv));      // keep xv in a register: folded into each FMA it loads R times
             for (int r = 0; r < R; r++) acc[c][r] = _mm256_fmadd_ps(wv[r], xv, acc[c][r]);
         }
     }
