@@ -9,7 +9,8 @@
    torch's own F.linear, which transformers decodes under
 3. aggregate decode tok/s at concurrency 1, 2, 4 (paged, in process)
 4. lookahead vs PAGODA_FORCE_SYNC, torch and MLX runners
-5. decode tok/s through tritonserver gRPC streaming vs in process, same model and threads
+5. decode tok/s through tritonserver gRPC streaming vs in process, same model and threads: small (where a token
+   takes about a millisecond, so the serving path's fixed cost a token shows) and qwen2.5-0.5b
 6. the MLX runner vs mlx-lm generate (small)
 Rates are medians of repeats interleaved in ABBA order; a ratio is the median of the per-pair ratios, so drift
 between pairs on a shared machine cancels. Decode tok/s = (tokens - 1) / (t_last - t_first).
@@ -179,6 +180,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     n, reps = (16, 1) if args.quick else (256, 2)
     small_n, small_reps = (16, 1) if args.quick else (128, 15)
     big = "tiny" if args.quick else "qwen2.5-0.5b"
+    big_n, big_reps = (16, 1) if args.quick else (64, 3)          # roofline runs; served 0.5B (~8 tok/s)
     t = args.threads
     decode, look = "in-process vs transformers", "lookahead vs sync"
 
@@ -186,12 +188,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ("decode", lambda: [paired(decode, f"{big} fp32", in_process(big, "float32", n, reps, t), 1.05),
                             paired(decode, f"{big} bf16", in_process(big, "bfloat16", n, reps, t), 1.0),
                             paired(decode, "tiny fp32", in_process("tiny", "float32", small_n, small_reps, t), 2.5)]),
-        ("roofline", lambda: roofline_rows(big, t, n, reps)),
+        ("roofline", lambda: roofline_rows(big, t, big_n, reps if args.quick else 8)),
         ("concurrency", lambda: concurrency_rows(t, small_n, small_reps)),
         ("lookahead", lambda: [paired(look, "torch small", lookahead("small", "torch", small_n, small_reps, t), 0.98),
                                paired(look, "mlx small", lookahead("small", "mlx", small_n, small_reps, t), 1.15)]),
         ("triton", lambda: [paired("tritonserver vs in-process", "small, 1 thread each",
-                                   through_triton("small", small_n, small_reps, 1), 0.90)]),
+                                   through_triton("small", small_n, small_reps, 1), 0.90),
+                            paired("tritonserver vs in-process", f"{big}, 1 thread each",
+                                   through_triton(big, big_n, big_reps, 1), 0.90)]),
         ("mlx", lambda: [paired("mlx runner vs mlx-lm", "small", mlx_vs_mlx_lm("small", small_n, small_reps), 1.0)]),
     ]
     rows: list[dict] = []
@@ -232,7 +236,8 @@ def gemv_ceiling(engine: Engine, repeats: int = 5, linear=None) -> float:
 def roofline_rows(preset: str, threads: int, tokens: int, repeats: int) -> list[dict]:
     """Decode tok/s against what the memory system allows: read bandwidth / weight bytes per token (every weight
     read once), and against one GEMV pass over every weight. Each decode run sits between its own bandwidth and
-    pass measurements, and each ratio is the median of the per-run ratios: the VM's bandwidth drifts by minutes."""
+    pass measurements, and each ratio is the median of the per-run ratios: the VM's bandwidth drifts within
+    seconds, so many short runs (64 tokens, about 5 s on 0.5B) pair closer than a few long ones."""
     engine = Engine(EngineConfig(model=str(cached_model(preset)), dtype="float32", num_threads=threads))
     torch.set_num_threads(threads)
     # The probe reads a plain tensor and, as the engine's weights sit on 2 MiB pages, one on those too; the faster
