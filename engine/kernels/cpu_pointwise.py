@@ -1,4 +1,5 @@
-"""Decode's small fp32 ops on a CPU (cpu_pointwise.cpp), one ctypes call each: RMSNorm, SwiGLU and RoPE."""
+"""Decode's small fp32 ops on a CPU (cpu_pointwise.cpp), one ctypes call each: RMSNorm and RoPE. (SwiGLU runs inside
+the down projection's GEMV call: CpuGemv.fused.)"""
 from __future__ import annotations
 
 import ctypes
@@ -15,9 +16,8 @@ class CpuPointwise:
     max_rows = MAX_ROWS     # decode steps, as for the GEMV; prefill chunks stay on torch's vectorised ops
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self.norm_fn, self.silu_fn = lib.rms_norm_f32, lib.silu_mul_f32
+        self.norm_fn = lib.rms_norm_f32
         self.norm_fn.argtypes, self.norm_fn.restype = [_P, _P, ctypes.c_float, _P, _I, _I], None
-        self.silu_fn.argtypes, self.silu_fn.restype = [_P, _P, _I, _I], None
         self.rope_fn = lib.rope_f32
         self.rope_fn.argtypes, self.rope_fn.restype = [_P, _P, _P, _I, _I, _I, _I], None
 
@@ -26,14 +26,6 @@ class CpuPointwise:
         x = x.contiguous()
         out = torch.empty_like(x)
         self.norm_fn(x.data_ptr(), weight.data_ptr(), eps, out.data_ptr(), x.shape[0], x.shape[1])
-        return out
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up for gate_up [m, 2n] = [gate | up]; returns [m, n]."""
-        gate_up = gate_up.contiguous()
-        m, n = gate_up.shape[0], gate_up.shape[1] // 2
-        out = torch.empty((m, n), dtype=gate_up.dtype)
-        self.silu_fn(gate_up.data_ptr(), out.data_ptr(), m, n)
         return out
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int) -> None:
