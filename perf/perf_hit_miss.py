@@ -27,9 +27,11 @@ def input_data(prompts: list[list[int]], params: dict) -> dict:
                       "return_num_input_tokens": [True]} for p in prompts]}
 
 
-def perf_analyzer(url: str, model: str, data: Path, export: Path, requests: int) -> None:
+def perf_analyzer(url: str, model: str, data: Path, export: Path, requests: int, version: str = "1") -> None:
     export.unlink(missing_ok=True)            # perf_analyzer refuses to overwrite an export
-    cmd = [sys.executable, str(ROOT / "scripts/perf_analyzer.py"), "-m", model, "-u", url, "-i", "grpc",
+    # -x: with no version named, perf_analyzer picks the one whose server-side stats changed during the run, and
+    # fails ("failed to find the requested model version") when its last snapshot beats the server's stats update
+    cmd = [sys.executable, str(ROOT / "scripts/perf_analyzer.py"), "-m", model, "-x", version, "-u", url, "-i", "grpc",
            "--streaming", "--input-data", str(data), "--concurrency-range", "1", "--request-count", str(requests),
            "--stability-percentage", "1000", "--profile-export-file", str(export)]
     run = subprocess.run(cmd, capture_output=True, text=True)
@@ -42,6 +44,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="127.0.0.1:8001")
     ap.add_argument("--model", default="llm")
+    ap.add_argument("--model-version", default="1")
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--hit-suffix", type=int, default=23)
     ap.add_argument("--max-tokens", type=int, default=512)
@@ -64,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
             prompts = [w.miss() if kind == "miss" else w.hit(prefix) for _ in range(3 * per_round)]
             (out / f"pa_input_{kind}.json").write_text(json.dumps(input_data(prompts, params)))
             export = out / f"pa_{kind}_{i}.json"
-            perf_analyzer(args.url, args.model, out / f"pa_input_{kind}.json", export, per_round)
+            perf_analyzer(args.url, args.model, out / f"pa_input_{kind}.json", export, per_round, args.model_version)
             exports[kind].append(json.loads(export.read_text()))
     result = compare.compare(exports["miss"], exports["hit"])
     print(compare.table(result))

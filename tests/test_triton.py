@@ -179,7 +179,8 @@ def test_perf_analyzer_runs(server, tmp_path):
                       "sampling_parameters": [json.dumps({"max_tokens": 8, "temperature": 0})]}]}
     (tmp_path / "input.json").write_text(json.dumps(data))
     export = tmp_path / "export.json"
-    run = subprocess.run([sys.executable, "scripts/perf_analyzer.py", "-m", "llm", "-u", server.grpc_url, "-i", "grpc",
+    run = subprocess.run([sys.executable, "scripts/perf_analyzer.py", "-m", "llm", "-x", "1", "-u", server.grpc_url,
+                          "-i", "grpc",
                           "--streaming", "--input-data", str(tmp_path / "input.json"), "--measurement-mode",
                           "count_windows", "--measurement-request-count", "5", "--concurrency-range", "1",
                           "--stability-percentage", "1000", "--max-trials", "3",
