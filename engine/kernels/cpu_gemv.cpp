@@ -38,8 +38,8 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
     return _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1));
 }
 
-// Sums of the vector lanes plus the scalar tail [i, k), stored: y[c * ldy + r] for r < R, c < C. Four accumulators
-// are reduced together: at decode's short rows (k = 256) one at a time cost as much as the loop.
+// Sums of the vector lanes plus the scalar tail [i, k), stored: y[c * ldy + r] for r < R, c < C. Accumulators are
+// reduced four at a time, which takes fewer shuffles than one at a time.
 template <typename T, int R, int C>
 static inline void finish(__m256 (&acc)[C][R], const float* x, const T* w, int64_t i, int64_t k, const T* bias,
                           T* y, int64_t ldy) {
