@@ -32,9 +32,7 @@ static inline float exp_shifted(float* s, int64_t n, float top) {
         _mm256_storeu_ps(s + p, e);
         acc = _mm256_add_ps(acc, e);
     }
-    float lane[8], total = 0.f;
-    _mm256_storeu_ps(lane, acc);
-    for (float v : lane) total += v;
+    float total = hsum(acc);
     for (; p < n; p++) total += (s[p] = expf(s[p] - top));
     return total;
 }

@@ -10,6 +10,8 @@
 
 #include <vector>
 
+#include "cpu_math.h"
+
 typedef uint16_t bf16;
 
 static inline float widen(float v) { return v; }
@@ -24,12 +26,6 @@ static inline void store(bf16* p, float v) {
     uint32_t u;
     memcpy(&u, &v, 4);
     *p = (bf16)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_hadd_ps(s, s);
-    return _mm_cvtss_f32(_mm_hadd_ps(s, s));
 }
 
 // The lane sums of four vectors at once: [sum(a), sum(b), sum(c), sum(d)]

@@ -2,6 +2,13 @@
 #pragma once
 #include <immintrin.h>
 
+// The sum of the 8 lanes
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+
 // e^x, 8 lanes, within 2 ulp for x in [-87, 88] (clamped there): x = n ln2 + r, e^r by Cephes' polynomial
 static inline __m256 exp8(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
