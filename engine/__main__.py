@@ -28,6 +28,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", default=d.attention, choices=["auto", "triton", "reference", "cpu"])
     p.add_argument("--contiguous-blocks", type=_bool, default=d.contiguous_blocks)
     p.add_argument("--compile", type=_bool, default=d.compile, help="torch.compile the paged decode step")
+    p.add_argument("--engine-process", type=_bool, default=d.engine_process,
+                   help="serve: run the step loop in a child process, off the server's GIL")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -36,7 +38,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         num_kv_blocks=args.num_kv_blocks, prompt_cache=args.prompt_cache, lookahead=args.lookahead,
                         prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
                         num_threads=args.num_threads, attention=args.attention,
-                        contiguous_blocks=args.contiguous_blocks, compile=args.compile)
+                        contiguous_blocks=args.contiguous_blocks, compile=args.compile,
+                        engine_process=args.engine_process)
 
 
 def _bool(text: str) -> bool:
@@ -88,10 +91,12 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from engine.async_engine import AsyncEngine
+    from engine.engine_process import EngineProcess
     from engine.server.app import create_app
     from engine.server.body_limit import BodyLimit
-    engine = AsyncEngine(engine_config(args))
-    name = args.served_model_name or os.path.basename(os.path.normpath(engine.engine.config.model))
+    config = engine_config(args)
+    engine = (EngineProcess if config.engine_process else AsyncEngine)(config)
+    name = args.served_model_name or os.path.basename(os.path.normpath(engine.config.model))
     app = BodyLimit(create_app(engine, name, args.api_key), args.max_body_bytes)
     logging.getLogger("pagoda").info("serving %s on http://%s:%d", name, args.host, args.port)
     try:

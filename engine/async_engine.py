@@ -9,23 +9,19 @@ from collections.abc import AsyncIterator, Callable
 
 from engine.config import EngineConfig
 from engine.engine import Delta, Engine
+from engine.metrics import Metrics
 from engine.request import Request
 from engine.sampling import SamplingParams
 from engine.scheduler import QueueFull
+from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("pagoda")
 
 
-class AsyncEngine:
-    def __init__(self, config: EngineConfig | None = None, engine: Engine | None = None) -> None:
-        self.engine = engine or Engine(config)
-        self.engine.on_delta = lambda d: self._deliver([d])
-        self.inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
-        self.streams: dict[int, Callable[[Delta], None]] = {}
-        self.wake = threading.Event()
-        self.stopping = False
-        self.thread = threading.Thread(target=self._loop, name="pagoda-engine", daemon=True)
-        self.thread.start()
+class Streaming:
+    """`generate`, an async iterator of deltas, for an engine with `submit(prompt, params, push) -> id`,
+    `abort(id)` and its `streams` by id: AsyncEngine, and EngineProcess with its step loop in a child process."""
+    streams: dict[int, Callable[[Delta], None]]
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> AsyncIterator[Delta]:
         """Stream deltas of one request; raises ValueError (naming the field) before the first delta on bad input.
@@ -44,13 +40,37 @@ class AsyncEngine:
                 self.abort(request_id)
             self.streams.pop(request_id, None)
 
+
+class AsyncEngine(Streaming):
+    def __init__(self, config: EngineConfig | None = None, engine: Engine | None = None) -> None:
+        self.engine = engine or Engine(config)
+        self.engine.on_delta = lambda d: self._deliver([d])
+        self.inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self.streams: dict[int, Callable[[Delta], None]] = {}
+        self.wake = threading.Event()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._loop, name="pagoda-engine", daemon=True)
+        self.thread.start()
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.engine.metrics
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
     def submit(self, prompt: str | list[int], params: SamplingParams | None,
-               push: Callable[[Delta], None]) -> int:
-        """Queue a request whose deltas `push` receives on the engine thread (it must not block); returns its id.
-        Raises ValueError (naming the field) on bad input."""
+               push: Callable[[Delta], None], request_id: int | None = None) -> int:
+        """Queue a request whose deltas `push` receives on the engine thread (it must not block); returns its id
+        (`request_id` when given). Raises ValueError (naming the field) on bad input."""
         if self.stopping:
             raise RuntimeError("engine: shutting down")
-        req = self.engine.make_request(prompt, params)
+        req = self.engine.make_request(prompt, params, request_id)
         self.streams[req.id] = push
         self.inbox.put(req)
         self.wake.set()

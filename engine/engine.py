@@ -32,6 +32,8 @@ class Engine:
         if config.model is None:
             from engine.models.presets import cached_model
             config.model = str(cached_model("small", config.seed))
+        if not os.path.isfile(os.path.join(config.model, "config.json")):
+            raise ValueError(f"model: {config.model} has no config.json (it takes a Hugging Face Qwen2 directory)")
         self.tokenizer = Tokenizer(config.model)
         self.runner = runner = runner or make_runner(config, config.model)
         self.max_model_len = min(config.max_model_len or runner.max_model_len, runner.max_model_len)
@@ -65,8 +67,10 @@ class Engine:
         return min(by_bytes, by_need)
 
     # ---- requests in ----
-    def make_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> Request:
-        """Validate and tokenize; raises ValueError naming the field. Thread-safe."""
+    def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                     request_id: int | None = None) -> Request:
+        """Validate and tokenize; raises ValueError naming the field. Thread-safe. A caller that numbers its own
+        requests (EngineProcess) passes `request_id`, and must not mix that with the engine's numbering."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
@@ -83,7 +87,7 @@ class Engine:
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens: prompt ({len(ids)}) + max_tokens ({params.max_tokens}) exceeds the "
                              f"model's context of {self.max_model_len}")
-        req = Request(next(self.ids), ids, params)
+        req = Request(next(self.ids) if request_id is None else request_id, ids, params)
         if not self.kv.fits(req):
             raise ValueError(f"{field}: {len(ids)} tokens need more KV blocks than the pool holds")
         req.detok = self.tokenizer.detokenizer()

@@ -59,6 +59,7 @@ class Metrics:
                 "pagoda_e2e_request_latency_seconds", "Request latency", buckets=LATENCY, registry=r),
         }
         self.observations: deque[tuple[str, float]] = deque(maxlen=100_000)   # for mirrors to replay
+        self.families = {m.describe()[0].name: m for m in vars(self).values() if isinstance(m, (Counter, Gauge))}
 
     def count_table(self, pairs: int, consecutive: int) -> None:
         """A finished request's block table, toward the contiguity counters and gauge."""
@@ -71,6 +72,29 @@ class Metrics:
     def observe(self, name: str, value: float) -> None:
         self.histograms[name].observe(value)
         self.observations.append((name, value))
+
+    def snapshot(self) -> tuple[list[tuple[str, str, dict[str, str], float]], list[tuple[str, float]]]:
+        """Counter and gauge samples, and the observations made since the last snapshot (it takes them), for
+        `apply` in another process."""
+        samples = [(fam.type, s.name, s.labels, s.value) for fam in self.registry.collect()
+                   if fam.type in ("counter", "gauge") for s in fam.samples
+                   if fam.type == "gauge" or s.name.endswith("_total")]
+        taken = [self.observations.popleft() for _ in range(len(self.observations))]
+        return samples, taken
+
+    def apply(self, snapshot: tuple[list, list]) -> None:
+        """Bring this registry to another's `snapshot`: counters up by the difference, gauges set, observations
+        replayed."""
+        samples, observations = snapshot
+        for kind, name, labels, value in samples:
+            family = name.removesuffix("_total") if kind == "counter" else name
+            metric = self.families[family].labels(**labels) if labels else self.families[family]
+            if kind == "gauge":
+                metric.set(value)
+            elif value > self.value(name, **labels):
+                metric.inc(value - self.value(name, **labels))
+        for name, value in observations:
+            self.observe(name, value)
 
     def value(self, name: str, **labels: str) -> float:
         """A sample's current value (counters by their exported `_total` name); 0 when absent."""

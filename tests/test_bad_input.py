@@ -167,3 +167,10 @@ def test_chunked_body_past_the_limit_is_refused(openai):
     resp = conn.getresponse()
     assert resp.status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] == 2
     conn.close()
+
+
+def test_a_model_directory_without_config_json_is_named(tmp_path):
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    with pytest.raises(ValueError, match=f"model: {tmp_path} has no config.json"):
+        Engine(EngineConfig(model=str(tmp_path)))

@@ -186,3 +186,25 @@ def test_mlx_runner_behind_the_server(tiny_dir, tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_engine_process_behind_the_server(tiny_dir, tmp_path):
+    """`serve --engine-process true`: the step loop in a child process; chat templating, streamed completions,
+    cached tokens, metrics and a disconnect that frees the child's KV all work as with the engine thread."""
+    proc, url = start(tiny_dir, tmp_path / "log.txt", "--engine-process", "true")
+    try:
+        expected = LLM(model=tiny_dir, dtype="float32").generate(PROMPT, SamplingParams(max_tokens=6, temperature=0))
+        r = stream_openai(url, "tiny0", PROMPT, {"max_tokens": 6, "temperature": 0})
+        assert r.ids == expected[0].token_ids
+        r = stream_openai(url, "tiny0", PROMPT, {"max_tokens": 6, "temperature": 0})
+        assert r.ids == expected[0].token_ids and r.cached_tokens == 64
+        status, out = post(url, "/v1/chat/completions", {"model": "tiny0", "max_tokens": 4, "temperature": 0,
+                                                         "messages": [{"role": "user", "content": "hello"}]})
+        assert status == 200 and len(out["choices"][0]["token_ids"]) == 4
+        assert metric(url, "pagoda_requests_total", status="completed") == 3
+        drop_mid_stream(url, events=3)
+        wait_cancelled(url, 1)
+        assert metric(url, "pagoda_kv_blocks", state="used") == 0
+    finally:
+        proc.terminate()
+        proc.wait(30)

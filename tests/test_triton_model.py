@@ -1,5 +1,6 @@
 """The Triton model's threading, on the CPU and without tritonserver: a stand-in for pb_utils records which thread
-built and which sent each response. Responses are built on the engine thread and sent on the responder thread; a
+built and which sent each response. With the engine in a child process (engine_process, config.pbtxt's default) and
+on a thread, responses are built on the thread that receives the engine's deltas and sent on the responder thread; a
 stream cancelled while responses wait to be sent gets nothing after its cancel error; a response that cannot be built
 ends its request with an error, frees its KV, and the model serves on."""
 from __future__ import annotations
@@ -100,8 +101,8 @@ def fake_pb_utils() -> types.ModuleType:
     return pb
 
 
-@pytest.fixture
-def triton_model(tiny_dir, monkeypatch):
+@pytest.fixture(params=["process", "thread"])
+def triton_model(request, tiny_dir, monkeypatch):
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake_pb_utils())
     spec = importlib.util.spec_from_file_location("pagoda_triton_model", MODEL_PY)
     module = importlib.util.module_from_spec(spec)
@@ -110,7 +111,8 @@ def triton_model(tiny_dir, monkeypatch):
     model = module.TritonPythonModel()
     config = {"model_transaction_policy": {"decoupled": True},
               "parameters": {k: {"string_value": v} for k, v in
-                             {"model": tiny_dir, "dtype": "float32", "num_threads": "1"}.items()}}
+                             {"model": tiny_dir, "dtype": "float32", "num_threads": "1",
+                              "engine_process": str(request.param == "process")}.items()}}
     model.initialize({"model_config": json.dumps(config), "model_name": "llm", "model_version": "1"})
     yield module, model
     model.finalize()
@@ -130,19 +132,24 @@ def run(model, ids: list[int], max_tokens: int, cancel_after: int | None = None)
 
 
 def idle(model) -> bool:
-    engine = model.engine.engine
+    """No request running or waiting and no KV block held, by the engine's gauges (the child's, mirrored)."""
+    m = model.engine.metrics
     deadline = time.monotonic() + 10
-    while (engine.has_work or engine.pool.num_used) and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        if m.value("pagoda_kv_blocks", state="used") == m.value("pagoda_batch_size") == 0 == \
+                m.value("pagoda_queue_depth"):
+            return True
         time.sleep(0.01)
-    return not engine.has_work and engine.pool.num_used == 0
+    return False
 
 
-def test_responses_are_built_on_the_engine_thread_and_sent_on_the_responder(triton_model, tiny_dir):
+def test_responses_are_built_where_deltas_arrive_and_sent_on_the_responder(triton_model, tiny_dir):
     _, model = triton_model
     ids = random_ids(20, seed=3)
     sender = run(model, ids, 6)
     assert all(r.error is None for r, _, _ in sender.sent)
-    assert {r.built_on for r, _, _ in sender.sent} == {"pagoda-engine"}
+    in_child = model.engine.config.engine_process
+    assert {r.built_on for r, _, _ in sender.sent} == {"pagoda-engine-link" if in_child else "pagoda-engine"}
     assert {thread for _, _, thread in sender.sent} == {"pagoda-responder"}
     assert [flags for _, flags, _ in sender.sent] == [0] * (len(sender.sent) - 1) + [1]
     streamed = [int(i) for r, _, _ in sender.sent for i in r.outputs["output_ids"]]

@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.async_engine import AsyncEngine
+from engine.engine_process import EngineProcess
 from engine.engine import Delta
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest, usage
 
@@ -20,7 +21,7 @@ def error(status: int, message: str, param: str | None = None, kind: str = "inva
     return JSONResponse({"error": {"message": message, "type": kind, "param": param}}, status_code=status)
 
 
-def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+def create_app(engine: AsyncEngine | EngineProcess, model_name: str, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="Pagoda")
     default_max = 16
 
@@ -45,7 +46,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
 
     @app.get("/metrics")
     async def metrics():
-        return Response(engine.engine.metrics.text(), media_type="text/plain; version=0.0.4")
+        return Response(engine.metrics.text(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():
@@ -58,7 +59,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest):
         try:
-            prompt = engine.engine.tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
+            prompt = engine.tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
         except ValueError as e:
             return error(400, str(e), "messages")
         if body.max_completion_tokens is not None and body.max_tokens is None:

@@ -1,10 +1,11 @@
-"""Decoupled Triton Python-backend model: streams tokens from Pagoda's engine thread.
+"""Decoupled Triton Python-backend model: streams tokens from Pagoda's engine.
 
-The engine thread turns each delta into a ready response and queues it; one responder thread sends them and polls
-Triton for cancelled requests. `send` blocks on an IPC round trip to tritonserver (about 0.5 ms here) with the GIL
-released, so it stays off the engine thread. The Python that builds a response runs on the engine thread because it
-holds the GIL anyway: built on the responder instead, that work took the GIL mid-step and left the engine waiting for
-it (the engine thread was busy a median 0.89 of each step's wall time that way, against 0.94 now).
+The step loop runs in a child process (`engine_process`, on in config.pbtxt): every Python thread here shares one
+GIL, and when the engine thread shared it too, each hand-off stalled the engine until this process's other thread
+was scheduled (README, "Serving path", has the measurements).
+A link thread (EngineProcess's reader) turns each delta into a ready response and queues it; one responder thread
+sends them and polls Triton for cancelled requests. `send` blocks on an IPC round trip to tritonserver (about 0.5 ms
+here) with the GIL released. With `engine_process` off, the engine thread builds the responses instead.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import triton_python_backend_utils as pb_utils
 from engine import triton_io
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.engine_process import EngineProcess
 from engine.metrics import Mirror
 from engine.request import Delta
 
@@ -72,19 +74,22 @@ class TritonPythonModel:
         if not any(isinstance(h, _TritonLog) for h in log.handlers):
             log.addHandler(_TritonLog())
         log.setLevel(logging.INFO)
-        self.engine = AsyncEngine(EngineConfig.from_sources(params))
+        config = EngineConfig.from_sources(params)
+        self.engine = (EngineProcess if config.engine_process else AsyncEngine)(config)
         kinds = {"counter": pb_utils.MetricFamily.COUNTER, "gauge": pb_utils.MetricFamily.GAUGE,
                  "histogram": pb_utils.MetricFamily.HISTOGRAM}
         labels = {"model": args["model_name"], "version": args["model_version"]}
-        self.mirror = Mirror(self.engine.engine.metrics, pb_utils.MetricFamily, kinds, labels)
+        self.mirror = Mirror(self.engine.metrics, pb_utils.MetricFamily, kinds, labels)
         self.mirror.sync()
         self.outbox: queue.SimpleQueue[tuple[Stream, object, int] | None] = queue.SimpleQueue()
         self.active: set[Stream] = set()      # streams the responder polls for cancellation
         self.responder = threading.Thread(target=self._respond, name="pagoda-responder", daemon=True)
         self.responder.start()
-        cfg = self.engine.engine.config
+        cfg = self.engine.config
         log.info("pagoda: engine ready model=%s kv_storage=%s max_batch_size=%d lookahead=%s",
                  cfg.model, "paged" if cfg.paged else "dense", cfg.max_batch_size, cfg.use_lookahead)
+        if cfg.engine_process:
+            log.info("pagoda: engine_process=true: the step loop runs in process %d", self.engine.proc.pid)
 
     def execute(self, requests):
         for request in requests:
