@@ -59,7 +59,9 @@ def test_one_openmp_runtime_in_the_process(gemv):
 
 
 @pytest.mark.parametrize("b,nh,n_kv,hd,bs,lens", [(1, 14, 2, 64, 32, [77]), (3, 7, 1, 12, 8, [37, 1, 40]),
-                                                  (4, 4, 4, 16, 16, [5, 16, 17, 64])])
+                                                  (4, 4, 4, 16, 16, [5, 16, 17, 64]),
+                                                  (4, 4, 2, 64, 32, [1, 32, 33, 200]), (2, 4, 2, 128, 16, [9, 70]),
+                                                  (2, 2, 1, 8, 4, [3, 13])])
 def test_paged_decode_attention_matches_the_reference(gemv, b, nh, n_kv, hd, bs, lens):
     g = torch.Generator().manual_seed(b)
     k_cache, v_cache = torch.randn(2, 24, bs, n_kv, hd, generator=g)

@@ -15,9 +15,7 @@ static inline float dot(const float* a, const float* b, int64_t n) {
     __m256 acc = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    s = _mm_hadd_ps(s, s);
-    float r = _mm_cvtss_f32(_mm_hadd_ps(s, s));
+    float r = hsum(acc);
     for (; i < n; i++) r += a[i] * b[i];
     return r;
 }
@@ -37,11 +35,58 @@ static inline float exp_shifted(float* s, int64_t n, float top) {
     return total;
 }
 
-static inline void axpy(float a, const float* x, float* y, int64_t n) {     // y += a * x
-    const __m256 av = _mm256_set1_ps(a);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-    for (; i < n; i++) y[i] += a * x[i];
+// One query head over its sequence: scores[p] = q.K[p] * scale, softmax, o = sum_p w[p] V[p]. K[p] and V[p] are the
+// head's rows in the caches, `row` floats apart within a block, found a block at a time through `table`.
+// HD > 0 is the head size at compile time: q and the output stay in registers. HD == 0 takes any head size.
+template <int HD>
+static void attend(const float* qh, const float* kc, const float* vc, const int64_t* table, int64_t len, int64_t bs,
+                   int64_t row, int64_t hd, float scale, float* scores, float* o) {
+    constexpr int R = HD / 8;
+    __m256 qv[R > 0 ? R : 1], acc[R > 0 ? R : 1];
+    for (int j = 0; j < R; j++) qv[j] = _mm256_loadu_ps(qh + 8 * j);
+    float top = -INFINITY;
+    for (int64_t p0 = 0; p0 < len; p0 += bs) {
+        const int64_t n = len - p0 < bs ? len - p0 : bs;
+        const float* kb = kc + table[p0 / bs] * bs * row;
+        for (int64_t i = 0; i < n; i++) {
+            const float* kr = kb + i * row;
+            float s;
+            if constexpr (R > 0) {             // two FMA chains: half the latency a position
+                __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kr));
+                __m256 b = _mm256_mul_ps(qv[1], _mm256_loadu_ps(kr + 8));
+                for (int j = 2; j < R; j += 2) {
+                    a = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(kr + 8 * j), a);
+                    b = _mm256_fmadd_ps(qv[j + 1], _mm256_loadu_ps(kr + 8 * j + 8), b);
+                }
+                s = hsum(_mm256_add_ps(a, b)) * scale;
+            } else {
+                s = dot(qh, kr, hd) * scale;
+            }
+            scores[p0 + i] = s;
+            top = s > top ? s : top;
+        }
+    }
+    const float inv = 1.0f / exp_shifted(scores, len, top);
+    for (int j = 0; j < R; j++) acc[j] = _mm256_setzero_ps();
+    if constexpr (R == 0) memset(o, 0, hd * sizeof(float));
+    for (int64_t p0 = 0; p0 < len; p0 += bs) {
+        const int64_t n = len - p0 < bs ? len - p0 : bs;
+        const float* vb = vc + table[p0 / bs] * bs * row;
+        for (int64_t i = 0; i < n; i++) {
+            const float* vr = vb + i * row;
+            if constexpr (R > 0) {
+                const __m256 w = _mm256_set1_ps(scores[p0 + i]);
+                for (int j = 0; j < R; j++) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * j), acc[j]);
+            } else {
+                for (int64_t d = 0; d < hd; d++) o[d] += scores[p0 + i] * vr[d];
+            }
+        }
+    }
+    if constexpr (R > 0) {
+        for (int j = 0; j < R; j++) _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(acc[j], _mm256_set1_ps(inv)));
+    } else {
+        for (int64_t d = 0; d < hd; d++) o[d] *= inv;
+    }
 }
 
 // q, out [B, nh, hd]; k, v [B, n_kv, hd]; caches [slots, n_kv, hd] (one layer); tables [B, width] of block ids.
@@ -62,22 +107,13 @@ extern "C" void paged_decode_f32(const float* q, const float* k, const float* v,
         #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < B * nh; bh++) {
             const int64_t b = bh / nh, h = bh % nh, len = seq_lens[b], off = (h / group) * hd;
-            const float* qh = q + bh * hd;
+            const float *qh = q + bh * hd, *kc = k_cache + off, *vc = v_cache + off;
             const int64_t* table = tables + b * width;
-            scores.resize(len);
-            float top = -INFINITY;
-            for (int64_t p = 0; p < len; p++) {
-                const int64_t slot = table[p / bs] * bs + p % bs;
-                scores[p] = dot(qh, k_cache + slot * row + off, hd) * scale;
-                top = scores[p] > top ? scores[p] : top;
-            }
-            float total = exp_shifted(scores.data(), len, top);
             float* o = out + bh * hd;
-            memset(o, 0, hd * sizeof(float));
-            for (int64_t p = 0; p < len; p++) {
-                const int64_t slot = table[p / bs] * bs + p % bs;
-                axpy(scores[p] / total, v_cache + slot * row + off, o, hd);
-            }
+            scores.resize(len);
+            if (hd == 64) attend<64>(qh, kc, vc, table, len, bs, row, hd, scale, scores.data(), o);
+            else if (hd == 128) attend<128>(qh, kc, vc, table, len, bs, row, hd, scale, scores.data(), o);
+            else attend<0>(qh, kc, vc, table, len, bs, row, hd, scale, scores.data(), o);
         }
     }
 }
