@@ -29,7 +29,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contiguous-blocks", type=_bool, default=d.contiguous_blocks)
     p.add_argument("--compile", type=_bool, default=d.compile, help="torch.compile the paged decode step")
     p.add_argument("--engine-process", type=_bool, default=d.engine_process,
-                   help="serve: run the step loop in a child process, off the server's GIL")
+                   help="serve: the step loop in a child process, off the server's GIL (false: a thread)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -29,7 +29,7 @@ class EngineConfig:
     attention: str = "auto"           # torch runner's KV ops: triton | reference | cpu (fp32 on CPU, C decode step);
     #                                   auto: triton on CUDA, cpu for fp32 on a CPU that builds it, else reference
     compile: bool = False             # torch runner, paged: torch.compile the decode step (each new shape compiles once)
-    engine_process: bool = False      # front ends: run the step loop in a child process (the Triton model does)
+    engine_process: bool = True       # front ends (Triton model, serve): the step loop in a child process
 
     def __post_init__(self) -> None:
         self.validate()

@@ -49,13 +49,14 @@ def python_executable() -> str:
 class EngineProcess(Streaming):
     def __init__(self, config: EngineConfig) -> None:
         # A plain `python -m` child on a socket pair, not multiprocessing's spawn: that re-imports the parent's
-        # __main__, which fails in scripts without a main guard and means nothing inside Triton's stub.
+        # __main__, which fails in scripts without a main guard and means nothing inside Triton's stub. Its own
+        # session: a Ctrl-C at the terminal reaches the parent, which stops the child in order.
         ours, theirs = socket.socketpair()
         package_root = str(Path(__file__).resolve().parent.parent)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH"))
                                                              if p)}
         self.proc = subprocess.Popen([python_executable(), "-m", "engine.engine_process", str(theirs.fileno())],
-                                     pass_fds=(theirs.fileno(),), env=env)
+                                     pass_fds=(theirs.fileno(),), env=env, start_new_session=True)
         theirs.close()
         self.conn = Connection(ours.detach())
         self.conn.send(config)

@@ -188,10 +188,11 @@ def test_mlx_runner_behind_the_server(tiny_dir, tmp_path):
         proc.wait(30)
 
 
-def test_engine_process_behind_the_server(tiny_dir, tmp_path):
-    """`serve --engine-process true`: the step loop in a child process; chat templating, streamed completions,
-    cached tokens, metrics and a disconnect that frees the child's KV all work as with the engine thread."""
-    proc, url = start(tiny_dir, tmp_path / "log.txt", "--engine-process", "true")
+def test_engine_thread_behind_the_server(tiny_dir, tmp_path):
+    """`serve --engine-process false`: the step loop on a thread of the server (the other tests run the default, a
+    child process); chat templating, streamed completions, cached tokens, metrics and a disconnect that frees the
+    KV all work the same."""
+    proc, url = start(tiny_dir, tmp_path / "log.txt", "--engine-process", "false")
     try:
         expected = LLM(model=tiny_dir, dtype="float32").generate(PROMPT, SamplingParams(max_tokens=6, temperature=0))
         r = stream_openai(url, "tiny0", PROMPT, {"max_tokens": 6, "temperature": 0})
