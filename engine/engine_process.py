@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import dataclass, field, fields
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -44,6 +44,13 @@ def python_executable() -> str:
     if exe and Path(exe).name.startswith("python"):
         return exe
     return shutil.which("python3") or exe
+
+
+@dataclass(slots=True)
+class _Answer:
+    """The child's answer to one submit: set once, with the refusal (exception name, message) or None."""
+    done: threading.Event = field(default_factory=threading.Event)
+    refusal: tuple[str, str] | None = None
 
 
 class EngineProcess(Streaming):
@@ -69,7 +76,7 @@ class EngineProcess(Streaming):
         self.config: EngineConfig = value           # with the model the child resolved
         self.metrics = Metrics()                    # the child's, as of its last snapshot
         self.streams: dict[int, Callable[[Delta], None]] = {}
-        self.waiting: dict[int, list] = {}          # id -> [Event, refusal]: submits awaiting the child's answer
+        self.waiting: dict[int, _Answer] = {}       # submits awaiting the child's validation
         self.ids = itertools.count()
         self.send_lock = threading.Lock()
         self.running = True
@@ -87,14 +94,17 @@ class EngineProcess(Streaming):
         if not self.running:
             raise RuntimeError("engine: the engine process is not running")
         rid = next(self.ids)
-        answer = self.waiting[rid] = [threading.Event(), None]
+        answer = self.waiting[rid] = _Answer()
         self.streams[rid] = push
         self._send(("add", rid, prompt, params))
-        answer[0].wait()
+        while not answer.done.wait(1.0):
+            if not self.reader.is_alive():              # the child died before the reader could answer this one
+                answer.refusal = ("RuntimeError", "engine: the engine process exited")
+                break
         del self.waiting[rid]
-        if answer[1] is not None:
+        if answer.refusal is not None:
             self.streams.pop(rid, None)
-            kind, message = answer[1]
+            kind, message = answer.refusal
             raise (ValueError if kind == "ValueError" else RuntimeError)(message)
         return rid
 
@@ -139,16 +149,16 @@ class EngineProcess(Streaming):
             elif kind in ("added", "refused"):
                 answer = self.waiting.get(message[1])
                 if answer is not None:
-                    answer[1] = message[2:] if kind == "refused" else None
-                    answer[0].set()
+                    answer.refusal = message[2:] if kind == "refused" else None
+                    answer.done.set()
         self.running = False
         try:
             code = self.proc.wait(5)
         except subprocess.TimeoutExpired:
             code = None
         for answer in list(self.waiting.values()):
-            answer[1] = ("RuntimeError", "engine: the engine process exited")
-            answer[0].set()
+            answer.refusal = ("RuntimeError", "engine: the engine process exited")
+            answer.done.set()
         for rid, push in list(self.streams.items()):
             del self.streams[rid]
             push(Delta(rid, [], "", True, "error", f"engine: the engine process exited (code {code})"))
