@@ -123,6 +123,10 @@ def test_a_child_that_dies_ends_every_stream_with_an_error(tiny_dir):
     assert not eng.running and not eng.streams
     with pytest.raises(RuntimeError, match="not running"):
         eng.submit([5, 6], greedy(2), got.put)
+    eng.running = True          # as if a submit passed its check just before the reader saw the child go
+    with pytest.raises(RuntimeError, match="engine process exited"):
+        eng.submit([5, 6], greedy(2), got.put)
+    assert not eng.waiting and not eng.streams
     eng.shutdown()
 
 
