@@ -144,7 +144,7 @@ class TritonPythonModel:
                 self.mirror.sync()
 
     def _on_delta(self, stream: Stream, d: Delta) -> None:
-        """On the engine thread: queue the response a delta makes, if any."""
+        """Where deltas arrive (the link thread, or the engine thread): queue the response a delta makes, if any."""
         if stream.done:
             return
         stream.id = d.request_id        # a first delta can beat submit() returning the id to _start
