@@ -32,10 +32,8 @@ class Engine:
         if config.model is None:
             from engine.models.presets import cached_model
             config.model = str(cached_model("small", config.seed))
-        if not os.path.isfile(os.path.join(config.model, "config.json")):
-            raise ValueError(f"model: {config.model} has no config.json (it takes a Hugging Face Qwen2 directory)")
+        self.runner = runner = runner or make_runner(config, config.model)     # first: it names a bad model dir
         self.tokenizer = Tokenizer(config.model)
-        self.runner = runner = runner or make_runner(config, config.model)
         self.max_model_len = min(config.max_model_len or runner.max_model_len, runner.max_model_len)
         self.metrics = Metrics()
         self.pool: BlockPool | None = None
@@ -69,8 +67,8 @@ class Engine:
     # ---- requests in ----
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                      request_id: int | None = None) -> Request:
-        """Validate and tokenize; raises ValueError naming the field. Thread-safe. A caller that numbers its own
-        requests (EngineProcess) passes `request_id`, and must not mix that with the engine's numbering."""
+        """Validate and tokenize; raises ValueError naming the field. Thread-safe. `request_id`: for a caller that
+        numbers all its requests itself (EngineProcess)."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)

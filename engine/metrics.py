@@ -89,10 +89,11 @@ class Metrics:
         for kind, name, labels, value in samples:
             family = name.removesuffix("_total") if kind == "counter" else name
             metric = self.families[family].labels(**labels) if labels else self.families[family]
+            behind = value - self.value(name, **labels)
             if kind == "gauge":
                 metric.set(value)
-            elif value > self.value(name, **labels):
-                metric.inc(value - self.value(name, **labels))
+            elif behind > 0:
+                metric.inc(behind)
         for name, value in observations:
             self.observe(name, value)
 

@@ -29,6 +29,8 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model: {path} has no config.json (it takes a Hugging Face Qwen2 directory)")
         data = json.loads((path / "config.json").read_text(encoding="utf-8"))
         eos = data.get("eos_token_id")
         gen = path / "generation_config.json"
