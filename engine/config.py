@@ -1,54 +1,56 @@
-"""EngineConfig: one set of option names for CLI flags, config.pbtxt parameters and env."""
+"""Every option once: EngineConfig (and the OpenAI server's ServeConfig) fields carry their help text, choices and
+bounds, and CLI flags, LLM(**kwargs), config.pbtxt parameters and PAGODA_<NAME> environment variables all derive
+from them. Every PAGODA_* variable is read here and nowhere else.
+
+Precedence: what a process is told directly (a CLI flag, an LLM keyword) wins over PAGODA_<NAME>, which wins over
+a file (config.pbtxt parameters) and the defaults.
+"""
 from __future__ import annotations
 
+import argparse
 import os
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
 from typing import Any
+
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def option(default: Any, help: str, choices: tuple[str, ...] = (), low: int | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices, "low": low})
 
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str | None = None          # HF directory; None means the embedded default (small preset)
-    runner: str = "torch"             # torch | mlx
-    device: str = "auto"              # auto | cpu | cuda
-    dtype: str = "auto"               # auto | float32 | bfloat16 | float16
-    max_batch_size: int = 4
-    kv_storage: str = "auto"          # auto | paged | dense
-    block_size: int = 32
-    contiguous_blocks: bool = True    # keep a sequence's blocks consecutive where free (False: release order)
-    num_kv_blocks: int = 0            # 0: derived from kv_cache_bytes and max_model_len
-    kv_cache_bytes: int = 1 << 30
-    prompt_cache: bool = True
-    prompt_cache_bytes: int = 512 << 20   # dense storage: bound of the donated-buffer store
-    lookahead: bool = True
-    prefill_chunk: int = 512
-    max_queue: int = 256
-    max_model_len: int = 0            # 0: the checkpoint's max_position_embeddings
-    seed: int = 0                     # seed of the embedded default model
-    num_threads: int = 0              # CPU threads for the model's ops; 0: the framework's default
-    attention: str = "auto"           # torch runner's KV ops: triton | reference | cpu (fp32 on CPU, C decode step);
-    #                                   auto: triton on CUDA, cpu for fp32 on a CPU that builds it, else reference
-    compile: bool = False             # torch runner, paged: torch.compile the decode step (each new shape compiles once)
-    engine_process: bool = True       # front ends (Triton model, serve): the step loop in a child process
+    model: str | None = option(None, "Hugging Face Qwen2 directory (default: the embedded small model)")
+    runner: str = option("torch", "model runner", ("torch", "mlx"))
+    device: str = option("auto", "torch device", ("auto", "cpu", "cuda"))
+    dtype: str = option("auto", "weights and KV dtype; auto follows the checkpoint",
+                        ("auto", "float32", "bfloat16", "float16"))
+    max_batch_size: int = option(4, "requests decoded together", low=1)
+    kv_storage: str = option("auto", "KV layout; auto is paged iff max_batch_size > 1", ("auto", "paged", "dense"))
+    block_size: int = option(32, "tokens per KV block (paged)", low=1)
+    contiguous_blocks: bool = option(True, "keep a sequence's blocks consecutive where free (false: release order)")
+    num_kv_blocks: int = option(0, "KV blocks in the pool; 0: derived from kv_cache_bytes and max_model_len", low=0)
+    kv_cache_bytes: int = option(1 << 30, "KV pool bound in bytes when num_kv_blocks is 0", low=0)
+    prompt_cache: bool = option(True, "reuse the KV of earlier requests' prefixes")
+    prompt_cache_bytes: int = option(512 << 20, "dense storage: bound of the store of finished buffers", low=0)
+    lookahead: bool = option(True, "launch decode step n+1 before reading step n (PAGODA_FORCE_SYNC=1 overrides)")
+    prefill_chunk: int = option(512, "prompt tokens prefilled per step, over all requests", low=1)
+    max_queue: int = option(256, "requests waiting before new ones are refused", low=1)
+    max_model_len: int = option(0, "context length; 0: the checkpoint's max_position_embeddings", low=0)
+    seed: int = option(0, "seed of the embedded default model", low=0)
+    num_threads: int = option(0, "CPU threads for the model's ops; 0: the framework's default", low=0)
+    attention: str = option("auto", "torch runner's KV ops; auto: triton on CUDA, cpu for fp32 on a CPU that builds "
+                            "it, else reference", ("auto", "triton", "reference", "cpu"))
+    compile: bool = option(False, "torch runner, paged: torch.compile the decode step (each new shape compiles once)")
+    engine_process: bool = option(True, "front ends: run the step loop in a child process (false: a thread)")
 
     def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        choices = {"runner": ("torch", "mlx"), "device": ("auto", "cpu", "cuda"),
-                   "dtype": ("auto", "float32", "bfloat16", "float16"),
-                   "kv_storage": ("auto", "paged", "dense"), "attention": ("auto", "triton", "reference", "cpu")}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}: must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        validate(self)
         if self.compile and self.runner != "torch":
             raise ValueError(f"compile: only the torch runner compiles, got runner {self.runner!r}")
-        for name in ("max_batch_size", "block_size", "prefill_chunk", "max_queue"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("num_kv_blocks", "max_model_len", "kv_cache_bytes", "prompt_cache_bytes", "num_threads"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
 
     @property
     def paged(self) -> bool:
@@ -58,39 +60,74 @@ class EngineConfig:
 
     @property
     def use_lookahead(self) -> bool:
-        return self.lookahead and os.environ.get("PAGODA_FORCE_SYNC", "0") in ("", "0")
+        return self.lookahead and not force_sync()
+
+    @property
+    def failpoints(self) -> set[int]:
+        return failpoint_steps()
 
     @classmethod
-    def from_strings(cls, values: dict[str, Any]) -> "EngineConfig":
-        """Build from string values (config.pbtxt parameters, env); unknown names are an error."""
-        known = {f.name: f for f in fields(cls)}
-        kwargs: dict[str, Any] = {}
-        for name, raw in values.items():
-            if name not in known:
-                raise ValueError(f"{name}: unknown engine option")
-            kwargs[name] = _parse(name, known[name].type, raw)
-        return cls(**kwargs)
+    def from_strings(cls, values: Mapping[str, Any]) -> EngineConfig:
+        """From string values (config.pbtxt parameters, env); an unknown name is an error naming it."""
+        return build(cls, values, {})
 
     @classmethod
-    def from_sources(cls, values: dict[str, Any], env: dict[str, str] | None = None) -> "EngineConfig":
+    def from_sources(cls, values: Mapping[str, Any], env: Mapping[str, str] | None = None) -> EngineConfig:
         """`values` (config.pbtxt parameters), each overridden by PAGODA_<NAME> from the environment."""
-        env = os.environ if env is None else env
-        merged = dict(values)
-        for f in fields(cls):
-            key = f"PAGODA_{f.name.upper()}"
-            if key in env:
-                merged[f.name] = env[key]
-        return cls.from_strings(merged)
+        return build(cls, {**values, **from_env(cls, env)}, {})
 
 
-def _parse(name: str, type_: str, raw: Any) -> Any:
+@dataclass(slots=True)
+class ServeConfig:
+    """The OpenAI-compatible server's own options (`python -m engine serve`)."""
+    host: str = option("127.0.0.1", "address to bind")
+    port: int = option(8080, "port to bind", low=0)
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on /v1/*")
+    served_model_name: str | None = option(None, "the model's name in the API (default: the model directory's)")
+    max_body_bytes: int = option(8 << 20, "refuse larger request bodies with 413", low=1)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+def validate(config: Any) -> None:
+    for f in fields(config):
+        value, meta = getattr(config, f.name), f.metadata
+        if meta["choices"] and value not in meta["choices"]:
+            raise ValueError(f"{f.name}: must be one of {', '.join(meta['choices'])}, got {value!r}")
+        if meta["low"] is not None:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{f.name}: expected an integer, got {value!r}")
+            if value < meta["low"]:
+                raise ValueError(f"{f.name}: must be >= {meta['low']}, got {value}")
+
+
+def from_env(cls: type, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The PAGODA_<NAME> values set for `cls`'s fields."""
+    env = os.environ if env is None else env
+    return {f.name: env[key] for f in fields(cls) if (key := f"PAGODA_{f.name.upper()}") in env}
+
+
+def build(cls: type, values: Mapping[str, Any], defaults: Mapping[str, Any]) -> Any:
+    """`cls` from `values` over `defaults` (strings are parsed by the field's type)."""
+    known = {f.name: f for f in fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for name, raw in {**defaults, **values}.items():
+        if name not in known:
+            what = "engine option" if cls is EngineConfig else "option"
+            raise ValueError(f"{name}: unknown {what}")
+        kwargs[name] = parse(name, known[name].type, raw)
+    return cls(**kwargs)
+
+
+def parse(name: str, type_: str, raw: Any) -> Any:
     if not isinstance(raw, str):
         return raw
     text = raw.strip()
     if "bool" in type_:
-        if text.lower() in ("1", "true", "yes", "on"):
+        if text.lower() in TRUE:
             return True
-        if text.lower() in ("0", "false", "no", "off"):
+        if text.lower() in FALSE:
             return False
         raise ValueError(f"{name}: expected a boolean, got {raw!r}")
     if "int" in type_:
@@ -101,3 +138,57 @@ def _parse(name: str, type_: str, raw: Any) -> Any:
     if "None" in type_ and text in ("", "none", "None"):
         return None
     return text
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """One --flag-name per field but `skip`; flags not given stay out of the namespace (see `from_flags`)."""
+    for f in fields(cls):
+        if f.name in skip:
+            continue
+        meta = f.metadata
+        default = None if f.default is MISSING else f.default
+        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=argparse.SUPPRESS,
+                            choices=meta["choices"] or None, metavar=None if meta["choices"] else _metavar(f.type),
+                            help=f"{meta['help']} (default: {default}; env PAGODA_{f.name.upper()})")
+
+
+def from_flags(cls: type, args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Any:
+    """`cls` from the flags given, over PAGODA_<NAME>, over the defaults."""
+    given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+    return build(cls, given, from_env(cls, env))
+
+
+def from_kwargs(cls: type, kwargs: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Any:
+    """`cls` from keyword arguments (LLM(**kwargs)), over PAGODA_<NAME>, over the defaults."""
+    return build(cls, kwargs, from_env(cls, env))
+
+
+def _metavar(type_: str) -> str:
+    return "BOOL" if "bool" in type_ else "N" if "int" in type_ else "TEXT"
+
+
+# ---- process-wide switches: environment only ----
+
+def _env_flag(name: str, default: bool) -> bool:
+    text = os.environ.get(name, "").strip().lower()
+    return default if text == "" else text not in FALSE
+
+
+def force_sync() -> bool:
+    """PAGODA_FORCE_SYNC=1: the kill switch of lookahead decode."""
+    return _env_flag("PAGODA_FORCE_SYNC", False)
+
+
+def failpoint_steps() -> set[int]:
+    """PAGODA_FAILPOINT_STEPS=5,9: those engine steps raise mid-step (fault injection for reliability tests)."""
+    return {int(n) for n in os.environ.get("PAGODA_FAILPOINT_STEPS", "").split(",") if n.strip()}
+
+
+def cpu_kernels() -> bool:
+    """PAGODA_CPU_KERNELS=0 turns the C++ CPU kernels off; torch's ops serve instead."""
+    return _env_flag("PAGODA_CPU_KERNELS", True)
+
+
+def cache_root() -> Path:
+    """Pagoda's cache folder (models made from presets, built kernels): $PAGODA_CACHE, else ~/.cache/pagoda."""
+    return Path(os.environ.get("PAGODA_CACHE", Path.home() / ".cache" / "pagoda"))

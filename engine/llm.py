@@ -4,9 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.sampling import SamplingParams
+from engine.config import EngineConfig, from_kwargs
+from engine.core.engine import Engine
+from engine.core.output import Delta
+from engine.core.sampling import SamplingParams
 
 Prompt = str | list[int]
 
@@ -24,13 +25,17 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, runner: str = "torch", device: str = "auto", dtype: str = "auto",
-                 max_batch_size: int = 4, kv_storage: str = "auto", block_size: int = 32, prompt_cache: bool = True,
-                 lookahead: bool = True, **options: Any) -> None:
-        config = EngineConfig(model=model, runner=runner, device=device, dtype=dtype, max_batch_size=max_batch_size,
-                              kv_storage=kv_storage, block_size=block_size, prompt_cache=prompt_cache,
-                              lookahead=lookahead, **options)
-        self.engine = Engine(config)
+    """`LLM(model=None, **options)`: any EngineConfig field by name (runner, device, dtype, max_batch_size,
+    kv_storage, ...); PAGODA_<NAME> sets those not given."""
+
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        self.finals: dict[int, Delta] = {}
+        config = from_kwargs(EngineConfig, {"model": model, **options})
+        self.engine = Engine(config, on_delta=self._collect)
+
+    def _collect(self, delta: Delta) -> None:
+        if delta.finished:
+            self.finals[delta.request_id] = delta
 
     def generate(self, prompts: Prompt | list[Prompt],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -42,16 +47,11 @@ class LLM:
             raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
         engine = self.engine
         reqs = [engine.make_request(p, sp) for p, sp in zip(prompts, params)]
-        mine = {r.id: r for r in reqs}
         pending = list(reqs)
-        outputs: dict[int, RequestOutput] = {}
         while pending or engine.has_work:
             while pending and len(engine.scheduler.waiting) < engine.config.max_queue:
                 engine.add(pending.pop(0))
-            for d in engine.step():
-                if d.finished and d.request_id in mine:
-                    req = mine[d.request_id]
-                    outputs[d.request_id] = RequestOutput(req.id, req.prompt_ids, req.output_ids, req.text,
-                                                          req.finish_reason, len(req.prompt_ids), d.cached_tokens,
-                                                          req.error)
-        return [outputs[r.id] for r in reqs]
+            engine.step()
+        finals = [self.finals.pop(r.id) for r in reqs]
+        return [RequestOutput(r.id, r.prompt_ids, r.output_ids, r.text, r.finish_reason, len(r.prompt_ids),
+                              d.cached_tokens, r.error) for r, d in zip(reqs, finals)]

@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.config import EngineConfig          # noqa: E402
-from engine.engine import Engine                # noqa: E402
+from engine.core.engine import Engine                # noqa: E402
 from engine.models.presets import cached_model  # noqa: E402
 from perf.inprocess import greedy_run           # noqa: E402
 

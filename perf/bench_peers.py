@@ -34,10 +34,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine.config import EngineConfig                  # noqa: E402
-from engine.engine import Engine                        # noqa: E402
+from engine.core.engine import Engine                        # noqa: E402
 from engine.models import hugepages                     # noqa: E402
 from engine.models.presets import cached_model          # noqa: E402
-from engine.sampling import SamplingParams              # noqa: E402
+from engine.core.sampling import SamplingParams              # noqa: E402
 from perf.bench_decode import transformers_rate         # noqa: E402
 from perf.inprocess import greedy_run                   # noqa: E402
 

@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from client.stream import stream_grpc             # noqa: E402
 from engine.config import EngineConfig            # noqa: E402
-from engine.engine import Engine                  # noqa: E402
+from engine.core.engine import Engine                  # noqa: E402
 from perf.inprocess import greedy_run             # noqa: E402
 from scripts.tritonserver import launch           # noqa: E402
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import time
 
-from engine.engine import Engine
-from engine.sampling import SamplingParams
+from engine.core.engine import Engine
+from engine.core.sampling import SamplingParams
 
 
 def greedy_run(engine: Engine, prompt: str | list[int], max_tokens: int,

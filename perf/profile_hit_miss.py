@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from client.workload import Workload            # noqa: E402
 from engine.config import EngineConfig          # noqa: E402
-from engine.engine import Engine                # noqa: E402
+from engine.core.engine import Engine                # noqa: E402
 from engine.kernels import reference as ref     # noqa: E402
-from engine.sampling import SamplingParams      # noqa: E402
+from engine.core.sampling import SamplingParams      # noqa: E402
 
 SPENT = {"write_kv": 0.0, "paged_decode_attention": 0.0, "causal_attention": 0.0}
 

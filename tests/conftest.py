@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 import torch
@@ -33,9 +32,3 @@ def model_dir(request, tiny_dir, odd_dir) -> str:
 def _isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("PAGODA_CACHE", str(tmp_path_factory.getbasetemp() / "pagoda-cache"))
     monkeypatch.delenv("PAGODA_FORCE_SYNC", raising=False)
-
-
-def random_ids(n: int, seed: int, low: int = 3, high: int = 900) -> list[int]:
-    """Token ids from the trained tokenizer's range, skipping the special tokens at 0..2."""
-    rng = random.Random(seed)
-    return [rng.randrange(low, high) for _ in range(n)]

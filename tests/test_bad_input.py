@@ -12,8 +12,8 @@ import tritonclient.grpc as grpcclient
 
 from client.metrics import scrape
 from scripts import tritonserver as triton_server
-from tests.test_openai_server import post, start
-from tests.test_triton import collect
+from tests.helpers import post, start_openai as start
+from tests.helpers import collect
 
 GOOD = '{"max_tokens": 2, "temperature": 0}'
 
@@ -171,6 +171,6 @@ def test_chunked_body_past_the_limit_is_refused(openai):
 
 def test_a_model_directory_without_config_json_is_named(tmp_path):
     from engine.config import EngineConfig
-    from engine.engine import Engine
+    from engine.core.engine import Engine
     with pytest.raises(ValueError, match=f"model: {tmp_path} has no config.json"):
         Engine(EngineConfig(model=str(tmp_path)))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from client.bench_serving_concurrency import Sample, bootstrap_interval, paired_ratio, summarize, table
+from perf.bench_serving import Sample, bootstrap_interval, paired_ratio, summarize, table
 from client.stream import Result, _apply
 from client.workload import NONCE, Workload
 from perf import compare

@@ -19,7 +19,7 @@ def test_rows_carry_ratio_and_goal(tmp_path):
 
 def test_aggregate_counts_tokens_after_every_request_has_started(tiny_dir):
     from engine.config import EngineConfig
-    from engine.engine import Engine
+    from engine.core.engine import Engine
     engine = Engine(EngineConfig(model=tiny_dir, max_batch_size=4, kv_storage="paged", num_threads=1))
     assert bench_peers.aggregate(engine, 2, 12) > 0
     assert bench_peers.aggregate(engine, 4, 12) > 0      # the engine is reused across rounds
@@ -30,7 +30,7 @@ def test_gemv_ceiling_reads_every_weight_matrix(tiny_dir, monkeypatch):
     import torch
 
     from engine.config import EngineConfig
-    from engine.engine import Engine
+    from engine.core.engine import Engine
     engine = Engine(EngineConfig(model=tiny_dir, dtype="float32", num_threads=1))
     seen = []
     real = torch.nn.functional.linear
@@ -97,7 +97,7 @@ def test_roofline_pairs_each_decode_run_with_its_own_ceilings(tiny_dir, monkeypa
     sums = ["sum", "sum"] if huge else ["sum"]
     assert events == ["decode"] + [*sums, "decode", "pass", "pass"] * 3      # warm-up, then 3 interleaved runs
     from engine.config import EngineConfig
-    from engine.engine import Engine
+    from engine.core.engine import Engine
     weights = sum(p.numel() * p.element_size()
                   for p in Engine(EngineConfig(model=tiny_dir, dtype="float32")).runner.model.parameters())
     roof = rows[0]

@@ -4,12 +4,13 @@ from __future__ import annotations
 import pytest
 
 from engine.kv.block_pool import BlockPool
-from engine.prompt_cache import DenseStore, PrefixCache, block_hash
+from engine.kv.dense import DenseStore
+from engine.kv.prefix_cache import PrefixCache, block_hash
 
 
 def test_allocate_release_and_lru_eviction():
-    pool = BlockPool(4, block_size=2)
-    cache = PrefixCache(pool)
+    cache = PrefixCache(2)
+    pool = BlockPool(4, block_size=2, index=cache)
     a, b, c, d = (pool.allocate() for _ in range(4))
     assert not pool.can_allocate(1)
     cache.register(a, block_hash(0, [1, 2]), [1, 2])
@@ -41,8 +42,8 @@ def test_shared_block_is_not_writable():
 
 
 def test_duplicate_content_registers_once():
-    pool = BlockPool(3, block_size=2)
-    cache = PrefixCache(pool)
+    cache = PrefixCache(2)
+    pool = BlockPool(3, block_size=2, index=cache)
     a, b = pool.allocate(), pool.allocate()
     h = block_hash(0, [7, 8])
     cache.register(a, h, [7, 8])
@@ -92,10 +93,15 @@ def test_headroom_is_released_with_its_table_and_used_when_nothing_else_is_free(
 
 
 def test_eviction_prefers_the_block_after_the_table():
-    pool = BlockPool(4, block_size=2)
-    pool.is_cached = lambda block: True                # every released block keeps cached content
     evicted = []
-    pool.on_evict = evicted.append
+
+    class Everything:                                   # every released block keeps cached content
+        def __contains__(self, block: int) -> bool:
+            return True
+
+        def forget(self, block: int) -> None:
+            evicted.append(block)
+    pool = BlockPool(4, block_size=2, index=Everything())
     blocks = pool.allocate_run(4)
     for blk in blocks:                                  # LRU order 0, 1, 2, 3
         pool.release(blk)

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.conftest import random_ids
+from tests.helpers import random_ids
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 

@@ -7,10 +7,10 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.kernels import cpu_gemv, cpu_pointwise
-from engine.runners import torch_attention
+from engine.runners.torch import attention as torch_attention
 from engine.runners.base import Row
-from engine.runners.torch_runner import TorchRunner
-from tests.conftest import random_ids
+from engine.runners.torch.runner import TorchRunner
+from tests.helpers import greedy, random_ids
 
 
 @pytest.fixture(autouse=True)
@@ -18,9 +18,6 @@ def no_fused_layers(monkeypatch):
     """fp32 decode on the fused CPU kernels makes compile stand down (test_cpu_kernels); here the graph runs."""
     monkeypatch.setattr(cpu_pointwise, "load", lambda: None)
 
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
 def test_compiled_step_matches_eager_logits_and_writes_the_same_kv(odd_dir):

@@ -6,7 +6,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.kv.paged import contiguity
-from tests.conftest import random_ids
+from tests.helpers import random_ids
 
 
 def hit_miss_contiguity(path: str, contiguous: bool) -> float:

@@ -13,7 +13,7 @@ from engine import LLM, SamplingParams
 from engine.kernels import CALLS, cpu_attention, cpu_gemv, cpu_pointwise, reference, select
 from engine.models.presets import make_model
 from engine.models.qwen2 import Linear, RMSNorm, Rope
-from tests.conftest import random_ids
+from tests.helpers import random_ids
 
 
 

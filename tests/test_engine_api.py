@@ -1,10 +1,13 @@
 """The engine's request API: stops, min_tokens, EOS, streaming deltas, validation, chat template."""
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.conftest import random_ids
+from tests.helpers import greedy, random_ids, step
 
 
 @pytest.fixture(scope="module")
@@ -12,21 +15,18 @@ def llm(tiny_dir) -> LLM:
     return LLM(model=tiny_dir, dtype="float32")
 
 
-def greedy(n: int, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, **kw)
-
 
 def stream(llm: LLM, prompt, params):
     eng = llm.engine
     req = eng.add(eng.make_request(prompt, params))
     deltas = []
     while eng.has_work:
-        deltas += [d for d in eng.step() if d.request_id == req.id]
+        deltas += [d for d in step(eng) if d.request_id == req.id]
     return req, deltas
 
 
 def test_stream_deltas_add_up(llm):
-    req, deltas = stream(llm, "A serving engine reads a prompt", greedy(30, ignore_eos=True))
+    req, deltas = stream(llm, "A serving engine reads a prompt", greedy(30))
     assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
     assert sum((d.token_ids for d in deltas), []) == req.output_ids
     assert "".join(d.text for d in deltas) == req.text == llm.engine.tokenizer.decode(req.output_ids)
@@ -34,49 +34,47 @@ def test_stream_deltas_add_up(llm):
 
 
 def test_stop_string_truncates_text(llm):
-    full = llm.generate("The quick brown fox", greedy(40, ignore_eos=True))[0].text
+    full = llm.generate("The quick brown fox", greedy(40))[0].text
     clean = [i for i in range(8, len(full) - 2) if full[i:i + 2].isalpha()]
     stop = full[clean[0]:clean[0] + 2]
-    req, deltas = stream(llm, "The quick brown fox", greedy(40, ignore_eos=True, stop=[stop]))
+    req, deltas = stream(llm, "The quick brown fox", greedy(40, stop=[stop]))
     assert deltas[-1].finish_reason == "stop"
     assert req.text == full[:full.index(stop)]
     assert "".join(d.text for d in deltas) == req.text
 
 
-def test_stop_token_and_eos(llm):
-    ids = llm.generate(random_ids(30, seed=1), greedy(20, ignore_eos=True))[0].token_ids
+def test_stop_token_and_eos(llm, tiny_dir, tmp_path):
+    ids = llm.generate(random_ids(30, seed=1), greedy(20))[0].token_ids
     k = next(i for i in range(3, 20) if ids[i] not in ids[:i])
-    out = llm.generate(random_ids(30, seed=1), greedy(20, stop_token_ids=[ids[k]]))[0]
+    out = llm.generate(random_ids(30, seed=1), greedy(20, stop_token_ids=[ids[k]], ignore_eos=False))[0]
     assert out.token_ids == ids[:k + 1] and out.finish_reason == "stop"
-    runner = llm.engine.runner
-    saved, runner.eos_token_ids = runner.eos_token_ids, [ids[k]]
-    try:
-        assert llm.generate(random_ids(30, seed=1), greedy(20))[0].token_ids == ids[:k + 1]
-        assert llm.generate(random_ids(30, seed=1), greedy(20, ignore_eos=True))[0].token_ids == ids
-    finally:
-        runner.eos_token_ids = saved
+    model = shutil.copytree(tiny_dir, tmp_path / "model")       # the same weights, with ids[k] as the EOS
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": ids[k]}))
+    eos = LLM(model=str(model), dtype="float32")
+    assert eos.generate(random_ids(30, seed=1), greedy(20, ignore_eos=False))[0].token_ids == ids[:k + 1]
+    assert eos.generate(random_ids(30, seed=1), greedy(20))[0].token_ids == ids
 
 
 def test_min_tokens_bans_stop_tokens(llm):
-    ids = llm.generate(random_ids(30, seed=2), greedy(20, ignore_eos=True))[0].token_ids
-    out = llm.generate(random_ids(30, seed=2), greedy(20, min_tokens=12, stop_token_ids=[ids[1]]))[0]
+    ids = llm.generate(random_ids(30, seed=2), greedy(20))[0].token_ids
+    out = llm.generate(random_ids(30, seed=2), greedy(20, min_tokens=12, stop_token_ids=[ids[1]], ignore_eos=False))[0]
     assert len(out.token_ids) >= 12
     assert ids[1] not in out.token_ids[:11]
 
 
 @pytest.mark.parametrize("prompt,params,message", [
-    ("", greedy(4), "prompt: must not be empty"),
-    ([], greedy(4), "input_ids: must not be empty"),
-    ([1, 5000], greedy(4), "input_ids: token id 5000 is outside the vocabulary"),
-    ([1, -3], greedy(4), "input_ids: token id -3"),
-    ([1, "a"], greedy(4), "input_ids: token id 'a'"),
-    ([1] * 4096, greedy(4), "input_ids: 4096 tokens leave no room"),
-    ([1] * 4000, greedy(200), "max_tokens: prompt \\(4000\\) \\+ max_tokens \\(200\\) exceeds"),
+    ("", greedy(4, ignore_eos=False), "prompt: must not be empty"),
+    ([], greedy(4, ignore_eos=False), "input_ids: must not be empty"),
+    ([1, 5000], greedy(4, ignore_eos=False), "input_ids: token id 5000 is outside the vocabulary"),
+    ([1, -3], greedy(4, ignore_eos=False), "input_ids: token id -3"),
+    ([1, "a"], greedy(4, ignore_eos=False), "input_ids: token id 'a'"),
+    ([1] * 4096, greedy(4, ignore_eos=False), "input_ids: 4096 tokens leave no room"),
+    ([1] * 4000, greedy(200, ignore_eos=False), "max_tokens: prompt \\(4000\\) \\+ max_tokens \\(200\\) exceeds"),
 ])
 def test_bad_requests_name_the_field(llm, prompt, params, message):
     with pytest.raises(ValueError, match=message):
         llm.engine.make_request(prompt, params)
-    assert llm.generate("still serving", greedy(3))[0].finish_reason in ("length", "stop")
+    assert llm.generate("still serving", greedy(3, ignore_eos=False))[0].finish_reason in ("length", "stop")
 
 
 def test_chat_template(llm):
@@ -105,4 +103,4 @@ def test_default_model_is_made_once(monkeypatch, tmp_path):
     stamp = path.stat().st_mtime_ns
     second = LLM(max_batch_size=1)
     assert path.stat().st_mtime_ns == stamp
-    assert first.generate("hello", greedy(5))[0].token_ids == second.generate("hello", greedy(5))[0].token_ids
+    assert first.generate("hello", greedy(5, ignore_eos=False))[0].token_ids == second.generate("hello", greedy(5, ignore_eos=False))[0].token_ids

@@ -6,27 +6,7 @@ import itertools
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.conftest import random_ids
-
-LENGTHS = [37, 70, 101, 140]
-MAX_TOKENS = [24, 9, 30, 17]
-
-
-def prompts() -> list[list[int]]:
-    return [random_ids(n, seed=100 + i) for i, n in enumerate(LENGTHS)]
-
-
-def params() -> list[SamplingParams]:
-    return [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
-
-
-def run(llm: LLM, batch: bool) -> tuple[list[list[int]], list[int]]:
-    if batch:
-        outs = llm.generate(prompts(), params())
-    else:
-        outs = [llm.generate(p, sp)[0] for p, sp in zip(prompts(), params())]
-    return [o.token_ids for o in outs], [o.cached_tokens for o in outs]
-
+from tests.helpers import run_workload as run
 
 @pytest.fixture
 def reference(model_dir) -> list[list[int]]:

@@ -8,7 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import LLM, SamplingParams
 from engine.kernels import cpu_attention, cpu_gemv, cpu_pointwise
-from tests.conftest import random_ids
+from tests.helpers import random_ids
 
 
 def shapes(args) -> tuple:

@@ -12,7 +12,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.kernels import CALLS, reference, select
-from tests.conftest import random_ids
+from tests.helpers import random_ids
 
 triton = pytest.importorskip("triton", reason="triton is not installed (Linux only)")
 from engine.kernels import triton_decode, triton_kv, triton_prefill  # noqa: E402

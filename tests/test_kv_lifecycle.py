@@ -5,7 +5,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.kernels import reference as ref
-from tests.conftest import random_ids
+from tests.helpers import greedy, random_ids, step
 
 
 @pytest.fixture
@@ -31,9 +31,6 @@ def make(tiny_dir, pools=None, **kw) -> LLM:
         pools.append(llm.engine.pool)
     return llm
 
-
-def greedy(n: int, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
 
 
 def test_shared_prefix_blocks_are_never_written(tiny_dir, write_guard):
@@ -77,7 +74,7 @@ def test_cancel_returns_every_block(tiny_dir, stage):
     eng.abort(target.id)
     finals = []
     while eng.has_work:
-        finals += [d for d in eng.step() if d.finished]
+        finals += [d for d in step(eng) if d.finished]
     assert {d.request_id: d.finish_reason for d in finals}[target.id] == "abort"
     assert eng.pool.num_free == total
     assert eng.metrics.value("pagoda_requests_total", status="cancelled") == 1

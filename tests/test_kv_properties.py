@@ -13,9 +13,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from engine.kv.block_pool import FREE, HELD, TAKEN, BlockPool
 from engine.kv.paged import PagedKV
-from engine.prompt_cache import PrefixCache
-from engine.request import Request
-from engine.sampling import SamplingParams
+from engine.kv.prefix_cache import PrefixCache
+from engine.core.request import Request
+from engine.core.sampling import SamplingParams
 
 BS, BLOCKS = 4, 12
 FAMILIES = [[1, 2, 3, 1, 2, 3, 1, 2], [2, 2, 2, 2, 3, 3, 3, 3], [1, 1, 1, 1, 1, 1, 1, 1]]
@@ -24,8 +24,8 @@ FAMILIES = [[1, 2, 3, 1, 2, 3, 1, 2], [2, 2, 2, 2, 3, 3, 3, 3], [1, 1, 1, 1, 1, 
 class PagedKVMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.pool = BlockPool(BLOCKS, BS)
-        self.cache = PrefixCache(self.pool)
+        self.cache = PrefixCache(BS)
+        self.pool = BlockPool(BLOCKS, BS, index=self.cache)
         self.kv = PagedKV(self.pool, self.cache)
         self.running: list[Request] = []
         self.truth: dict[int, dict[int, int]] = {}      # block -> {offset: token} actually written there

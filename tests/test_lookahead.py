@@ -5,16 +5,13 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from tests.conftest import random_ids
+from tests.helpers import greedy, random_ids, step
 
-
-def greedy(n: int, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, **kw)
 
 
 def test_512_token_request_pipelines(tiny_dir):
     llm = LLM(model=tiny_dir, dtype="float32")
-    out = llm.generate(random_ids(20, seed=1), greedy(512, ignore_eos=True))[0]
+    out = llm.generate(random_ids(20, seed=1), greedy(512))[0]
     assert len(out.token_ids) == 512
     m = llm.engine.metrics
     assert m.value("pagoda_decode_lookahead_steps_total") >= 509
@@ -26,7 +23,7 @@ def test_kill_switch(tiny_dir, monkeypatch):
     monkeypatch.setenv("PAGODA_FORCE_SYNC", "1")
     assert not EngineConfig(model=tiny_dir).use_lookahead
     llm = LLM(model=tiny_dir, dtype="float32")
-    llm.generate(random_ids(20, seed=1), greedy(512, ignore_eos=True))
+    llm.generate(random_ids(20, seed=1), greedy(512))
     assert llm.engine.metrics.value("pagoda_decode_lookahead_steps_total") == 0
     assert llm.engine.lookahead.state == "idle"
 
@@ -36,7 +33,7 @@ def stop_case(tiny_dir, at: int) -> tuple[list[int], int, list[int]]:
     llm = LLM(model=tiny_dir, dtype="float32", lookahead=False)
     for seed in range(50):
         prompt = random_ids(50, seed=seed)
-        ids = llm.generate(prompt, greedy(40, ignore_eos=True))[0].token_ids
+        ids = llm.generate(prompt, greedy(40))[0].token_ids
         fresh = [i for i in range(at, 40) if ids[i] not in ids[:i]]
         if fresh:
             return prompt, ids[fresh[0]], ids[:fresh[0] + 1]
@@ -50,7 +47,7 @@ def test_unwind_when_a_row_stops_with_a_step_in_flight(tiny_dir, storage):
     for lookahead in (True, False):
         llm = LLM(model=tiny_dir, dtype="float32", kv_storage=storage, lookahead=lookahead)
         other = random_ids(30, seed=6)
-        outs = llm.generate([prompt, other], [greedy(40, stop_token_ids=[token]), greedy(25, ignore_eos=True)])
+        outs = llm.generate([prompt, other], [greedy(40, stop_token_ids=[token], ignore_eos=False), greedy(25)])
         assert outs[0].token_ids == expected
         assert outs[0].finish_reason == "stop"
         eng = llm.engine
@@ -65,7 +62,7 @@ def test_unwind_when_a_row_stops_with_a_step_in_flight(tiny_dir, storage):
 def test_state_transitions(tiny_dir):
     llm = LLM(model=tiny_dir, dtype="float32")
     eng = llm.engine
-    req = eng.add(eng.make_request(random_ids(10, seed=2), greedy(6, ignore_eos=True)))
+    req = eng.add(eng.make_request(random_ids(10, seed=2), greedy(6)))
     states = []
     while eng.has_work:
         eng.step()
@@ -80,12 +77,12 @@ def test_state_transitions(tiny_dir):
 def test_cancel_with_step_in_flight(tiny_dir):
     llm = LLM(model=tiny_dir, dtype="float32")
     eng = llm.engine
-    req = eng.add(eng.make_request(random_ids(10, seed=2), greedy(100, ignore_eos=True)))
+    req = eng.add(eng.make_request(random_ids(10, seed=2), greedy(100)))
     for _ in range(5):
         eng.step()
     assert req.in_flight == 1
     eng.abort(req.id)
-    deltas = eng.step()
+    deltas = step(eng)
     assert deltas[-1].finished and deltas[-1].finish_reason == "abort"
     assert eng.kv.stats()["used"] == 0
     assert eng.metrics.value("pagoda_requests_total", status="cancelled") == 1

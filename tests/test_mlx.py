@@ -10,15 +10,15 @@ import torch
 from engine import LLM, SamplingParams
 from engine.kernels import select
 from engine.models.loader import load_model
-from engine.runners import torch_attention
+from engine.runners.torch import attention as torch_attention
 from engine.runners.base import Row
-from tests.conftest import random_ids
-from tests.test_equivalence import run
+from tests.helpers import random_ids
+from tests.helpers import run_workload as run
 
 mx = pytest.importorskip("mlx.core")
 
 from engine.models.qwen2_mlx import load_mlx  # noqa: E402
-from engine.runners import mlx_attention  # noqa: E402
+from engine.runners.mlx import attention as mlx_attention  # noqa: E402
 
 REFERENCE = select("reference", "cpu")
 
@@ -106,9 +106,9 @@ def test_async_engine_thread_and_server_runner(tiny_dir):
     """The engine loop runs on its own thread; MLX streams are per thread, so this must work there too."""
     import asyncio
 
-    from engine.async_engine import AsyncEngine
+    from engine.serving.threaded import ThreadedEngine
     from engine.config import EngineConfig
-    eng = AsyncEngine(EngineConfig(model=tiny_dir, runner="mlx", dtype="float32"))
+    eng = ThreadedEngine(EngineConfig(model=tiny_dir, runner="mlx", dtype="float32"))
     try:
         async def main():
             return [d async for d in eng.generate(random_ids(30, seed=2),

@@ -10,9 +10,9 @@ from safetensors.torch import load_file, save_file
 
 from engine.kernels import select
 from engine.models.loader import load_model
-from engine.runners import torch_attention
+from engine.runners.torch import attention as torch_attention
 from engine.runners.base import Row
-from tests.conftest import random_ids
+from tests.helpers import random_ids
 
 REFERENCE = select("reference", "cpu")
 

@@ -16,26 +16,9 @@ from client.metrics import scrape
 from client.stream import stream_openai
 from engine import LLM, SamplingParams
 from scripts.tritonserver import free_port
-from tests.conftest import random_ids
+from tests.helpers import post, random_ids, start_openai as start
 
 PROMPT = random_ids(70, seed=11)
-
-
-def start(tiny_dir, log_path, *extra: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--model", tiny_dir, "--dtype", "float32",
-                             "--port", str(port), *extra], stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
-    url = f"127.0.0.1:{port}"
-    for _ in range(120):
-        try:
-            urllib.request.urlopen(f"http://{url}/health", timeout=1)
-            return proc, url
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError(open(log_path).read())
-            time.sleep(0.25)
-    proc.kill()
-    raise RuntimeError("server did not start")
 
 
 @pytest.fixture(scope="module")
@@ -44,17 +27,6 @@ def server(tiny_dir, tmp_path_factory):
     yield url
     proc.terminate()
     assert proc.wait(30) in (0, -signal.SIGTERM)     # uvicorn re-raises SIGTERM after its graceful shutdown
-
-
-def post(url: str, path: str, body: dict | bytes, headers: dict | None = None) -> tuple[int, dict]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://{url}{path}", data=data,
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def metric(url: str, name: str, **labels: str) -> float:

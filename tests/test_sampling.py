@@ -6,8 +6,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.runners.base import Row
-from engine.runners.torch_sampler import sample, sample_one
-from tests.conftest import random_ids
+from engine.runners.torch.sampler import sample, sample_one
+from tests.helpers import random_ids
 
 
 @pytest.mark.parametrize("kwargs,field", [

@@ -4,12 +4,9 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.scheduler import QueueFull
-from tests.conftest import random_ids
+from engine.core.scheduler import QueueFull
+from tests.helpers import greedy, random_ids
 
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
 def test_batch_never_exceeds_max_and_refills(tiny_dir):

@@ -17,7 +17,7 @@ from client.metrics import scrape
 from client.stream import grpc_inputs, stream_grpc, stream_http
 from engine import LLM, SamplingParams
 from scripts import tritonserver as triton_server
-from tests.conftest import random_ids
+from tests.helpers import collect, random_ids, stop_checked
 
 PROMPT = ("A serving engine reads a prompt, turns it into tokens, and computes the keys and values of every token "
           "once. Those keys and values are kept in a cache, so that each new token only attends to what was already "
@@ -30,46 +30,6 @@ def server(tiny_dir, tmp_path_factory):
     srv = triton_server.launch({"PAGODA_MODEL": tiny_dir, "PAGODA_DTYPE": "float32"}, log)
     yield srv
     stop_checked(srv)
-
-
-def stop_checked(srv) -> None:
-    """Stop tritonserver; it must exit 0 (finalize must not hang or fail the shutdown). One exception, seen
-    intermittently after client cancellations: tritonserver 2.51 never asks the Python model to finalize and exits 1
-    after its exit timeout (the upstream unload deadlock of triton-inference-server/server#8755). That case must
-    show in the log exactly so, with our finalize never called; it warns instead of failing."""
-    rc = srv.stop(timeout=90)
-    if rc != 0:
-        log = srv.log.read_text(encoding="utf-8", errors="replace")
-        assert "Exit timeout expired" in log and "pagoda: finalize" not in log, log[-3000:]
-        warnings.warn("tritonserver did not unload the model before its exit timeout (upstream unload deadlock)")
-
-
-def collect(server, inputs, cancel_after: int | None = None, timeout: float = 60):
-    """(responses as dicts with a 'final' flag, error) of one streamed request."""
-    events: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    client.start_stream(callback=lambda result, error: events.put((result, error)))
-    client.async_stream_infer("llm", inputs, enable_empty_final_response=True)
-    responses, error = [], None
-    try:
-        while True:
-            result, err = events.get(timeout=timeout)
-            if err is not None:
-                error = err
-                break
-            resp = result.get_response()
-            fields = {o.name: result.as_numpy(o.name) for o in resp.outputs}
-            fields["final"] = resp.parameters["triton_final_response"].bool_param
-            responses.append(fields)
-            if fields["final"]:
-                break
-            if cancel_after is not None and len(responses) >= cancel_after:
-                client.stop_stream(cancel_requests=True)
-                break
-    finally:
-        client.stop_stream()
-        client.close()
-    return responses, error
 
 
 def test_stream_matches_offline_and_reports_extras(server, tiny_dir):

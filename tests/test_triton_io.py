@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine import triton_io
-from engine.metrics import Metrics, Mirror
+from engine.frontends import triton_io
+from engine.serving.metrics import Metrics, Mirror
 
 
 def s(text: str | bytes) -> np.ndarray:

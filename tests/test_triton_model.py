@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.conftest import random_ids
+from tests.helpers import random_ids
 
 MODEL_PY = Path(__file__).resolve().parent.parent / "model_repository/llm/1/model.py"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from engine.models.presets import cache_root
+from engine.config import cache_root, cpu_kernels
 
 log = logging.getLogger("pagoda")
 
@@ -47,7 +47,7 @@ def build() -> Path:
 
 def library() -> ctypes.CDLL | None:
     """The kernels on an x86 CPU with AVX2 and FMA, or None (turned off, other CPU, no compiler)."""
-    if os.environ.get("PAGODA_CPU_KERNELS", "1").lower() in ("0", "false", "off"):
+    if not cpu_kernels():
         return None
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None

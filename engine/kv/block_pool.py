@@ -10,25 +10,31 @@ the last release left a block.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from typing import Protocol
 
 TAKEN, FREE, HELD = 0, 1, 2         # free-map states; HELD: free, kept as headroom after a table's last block
+
+
+class BlockIndex(Protocol):
+    """What the pool asks of the prompt cache (PrefixCache): does a block hold cached content, and forget it."""
+    def __contains__(self, block: int) -> bool: ...
+    def forget(self, block: int) -> None: ...
 
 
 class BlockPool:
     """Every block is in exactly one state: free (no content), used (ref > 0) or cached (ref 0, reusable content)."""
 
-    def __init__(self, num_blocks: int, block_size: int, contiguous: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, contiguous: bool = True,
+                 index: BlockIndex | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.contiguous = contiguous    # False: the free block released longest ago (the old policy, to compare)
+        self.contiguous = contiguous    # False: the free block released longest ago (release order)
         self.ref = [0] * num_blocks
         self.map = bytearray([FREE]) * num_blocks     # one byte per block: run searches are bytes.find, in C
         self.num_free = num_blocks                    # FREE or HELD
         self.released = deque([] if contiguous else range(num_blocks))
         self.cached: OrderedDict[int, None] = OrderedDict()   # least recently freed first
-        self.on_evict: Callable[[int], None] = lambda block: None
-        self.is_cached: Callable[[int], bool] = lambda block: False
+        self.index = index              # a freed block it holds stays cached; an evicted one leaves it
 
     @property
     def num_cached(self) -> int:
@@ -71,7 +77,7 @@ class BlockPool:
                 block, _ = self.cached.popitem(last=False)
             else:
                 del self.cached[block]                     # the next block of this table's run: keeps it contiguous
-            self.on_evict(block)
+            self.index.forget(block)
         else:
             raise MemoryError("KV block pool exhausted")
         self.ref[block] = 1
@@ -88,7 +94,7 @@ class BlockPool:
             raise RuntimeError(f"block {block} released with ref count {self.ref[block]}")
         self.ref[block] -= 1
         if self.ref[block] == 0:
-            if self.is_cached(block):
+            if self.index is not None and block in self.index:
                 self.cached[block] = None
             else:
                 self.map[block] = FREE

@@ -1,10 +1,11 @@
 """Dense KV: one buffer per sequence, grown in steps of 256 tokens; finished buffers are donated to the store."""
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from engine.prompt_cache import DenseStore
-from engine.request import Request
+from engine.core.request import Request
 
 STEP = 256
 
@@ -48,13 +49,13 @@ class DenseKV:
         return True
 
     def slots(self, req: Request, start: int, end: int) -> list[int]:
-        return []
+        return []                       # the runner writes into the request's buffer by position
 
     def trim(self, req: Request, positions: int) -> None:
-        pass    # positions past num_computed are simply overwritten later
+        pass                            # positions past num_computed are overwritten later
 
     def commit(self, req: Request) -> None:
-        pass
+        pass                            # a buffer joins the store when it is released
 
     def release(self, req: Request) -> None:
         buf, req.buf = req.buf, -1
@@ -76,3 +77,53 @@ class DenseKV:
     def _free(self, buf: int) -> None:
         del self.capacity[buf]
         self.buffers.dense_free(buf)
+
+
+class DenseStore:
+    """The prompt cache of dense KV: finished sequences' buffers (tokens + KV), least recently donated evicted
+    first, within a byte bound."""
+
+    def __init__(self, max_bytes: int, free: Callable[[int], None]) -> None:
+        self.max_bytes = max_bytes
+        self.free = free
+        self.entries: OrderedDict[int, tuple[tuple[int, ...], int]] = OrderedDict()   # buf -> (tokens, bytes)
+        self.bytes = 0
+
+    def donate(self, buf: int, tokens: Sequence[int], nbytes: int) -> None:
+        if nbytes > self.max_bytes or not tokens:
+            self.free(buf)
+            return
+        while self.bytes + nbytes > self.max_bytes:
+            self.evict()
+        self.entries[buf] = (tuple(tokens), nbytes)
+        self.bytes += nbytes
+
+    def take(self, tokens: Sequence[int]) -> tuple[int, int] | None:
+        """Remove and return (buf, matched) for the entry sharing the longest prefix with `tokens`."""
+        best, best_len = None, 0
+        for buf, (stored, _) in self.entries.items():
+            n = common_prefix(stored, tokens)
+            if n > best_len:
+                best, best_len = buf, n
+        if best is None:
+            return None
+        _, nbytes = self.entries.pop(best)
+        self.bytes -= nbytes
+        return best, best_len
+
+    def evict(self) -> None:
+        buf, (_, nbytes) = self.entries.popitem(last=False)
+        self.bytes -= nbytes
+        self.free(buf)
+
+    def clear(self) -> None:
+        while self.entries:
+            self.evict()
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

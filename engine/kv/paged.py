@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from engine.kv.block_pool import BlockPool
-from engine.prompt_cache import PrefixCache, block_hash
-from engine.request import Request
+from engine.kv.prefix_cache import PrefixCache, block_hash
+from engine.core.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from engine.config import cache_root
 from engine.models.config import ModelConfig
 
 PRESETS: dict[str, dict] = {
@@ -95,11 +96,6 @@ def make_model(preset: str, out: str | Path, seed: int = 0) -> Path:
     dtype = getattr(torch, cfg.torch_dtype)
     save_file(random_weights(cfg, seed, dtype), str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
-
-
-def cache_root() -> Path:
-    """Pagoda's cache folder: $PAGODA_CACHE, else ~/.cache/pagoda."""
-    return Path(os.environ.get("PAGODA_CACHE", Path.home() / ".cache" / "pagoda"))
 
 
 def cached_model(preset: str = "small", seed: int = 0) -> Path:

@@ -10,12 +10,12 @@ if TYPE_CHECKING:
 
 def make_runner(config: "EngineConfig", model_dir: str) -> "ModelRunner":
     if config.runner == "torch":
-        from engine.runners.torch_runner import TorchRunner
+        from engine.runners.torch.runner import TorchRunner
         return TorchRunner(model_dir, config.dtype, config.device, config.num_threads, config.attention,
                            config.compile)
     if config.runner == "mlx":
         try:
-            from engine.runners.mlx_runner import MLXRunner
+            from engine.runners.mlx.runner import MLXRunner
         except ImportError as e:
             raise ValueError(f"runner: mlx is not installed ({e}); pip install -e '.[mlx]'") from None
         return MLXRunner(model_dir, config.dtype)

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.models.config import ModelConfig
-from engine.sampling import SamplingParams
+from engine.core.sampling import SamplingParams
 
 
 @dataclass(slots=True)

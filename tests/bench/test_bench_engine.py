@@ -6,8 +6,8 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.kv.block_pool import BlockPool
-from engine.prompt_cache import PrefixCache, block_hash
-from tests.conftest import random_ids
+from engine.kv.prefix_cache import PrefixCache, block_hash
+from tests.helpers import random_ids
 
 
 @pytest.mark.parametrize("storage", ["paged", "dense"])
@@ -20,8 +20,8 @@ def test_bench_decode_tiny(benchmark, tiny_dir, storage):
 
 
 def test_bench_prefix_match(benchmark):
-    pool = BlockPool(64, 32)
-    cache = PrefixCache(pool)
+    cache = PrefixCache(32)
+    pool = BlockPool(64, 32, index=cache)
     tokens = random_ids(32 * 60, seed=2)
     parent = 0
     for i in range(60):

@@ -3,7 +3,7 @@
 The step loop runs in a child process (`engine_process`, on in config.pbtxt): every Python thread here shares one
 GIL, and when the engine thread shared it too, each hand-off stalled the engine until this process's other thread
 was scheduled (README, "Serving path", has the measurements).
-A link thread (EngineProcess's reader) turns each delta into a ready response and queues it; one responder thread
+A link thread (ProcessEngine's reader) turns each delta into a ready response and queues it; one responder thread
 sends them and polls Triton for cancelled requests. `send` blocks on an IPC round trip to tritonserver (about 0.5 ms
 here) with the GIL released. With `engine_process` off, the engine thread builds the responses instead.
 """
@@ -18,12 +18,11 @@ from dataclasses import dataclass, field
 
 import triton_python_backend_utils as pb_utils
 
-from engine import triton_io
-from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.engine_process import EngineProcess
-from engine.metrics import Mirror
-from engine.request import Delta
+from engine.core.output import Delta
+from engine.frontends import triton_io
+from engine.serving.client import make_client
+from engine.serving.metrics import Mirror
 
 INPUT_NAMES = [name for name, *_ in triton_io.INPUTS]
 CANCEL_POLL_S = 0.05
@@ -75,7 +74,7 @@ class TritonPythonModel:
             log.addHandler(_TritonLog())
         log.setLevel(logging.INFO)
         config = EngineConfig.from_sources(params)
-        self.engine = (EngineProcess if config.engine_process else AsyncEngine)(config)
+        self.engine = make_client(config)
         kinds = {"counter": pb_utils.MetricFamily.COUNTER, "gauge": pb_utils.MetricFamily.GAUGE,
                  "histogram": pb_utils.MetricFamily.HISTOGRAM}
         labels = {"model": args["model_name"], "version": args["model_version"]}

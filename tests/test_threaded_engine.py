@@ -6,23 +6,20 @@ import asyncio
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.async_engine import AsyncEngine
+from engine.serving.threaded import ThreadedEngine
 from engine.config import EngineConfig
-from tests.conftest import random_ids
+from tests.helpers import greedy, random_ids
 
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture
 def engine(tiny_dir):
-    eng = AsyncEngine(EngineConfig(model=tiny_dir, dtype="float32"))
+    eng = ThreadedEngine(EngineConfig(model=tiny_dir, dtype="float32"))
     yield eng
     eng.shutdown()
 
 
-async def collect(eng: AsyncEngine, prompt, params):
+async def collect(eng: ThreadedEngine, prompt, params):
     return [d async for d in eng.generate(prompt, params)]
 
 
@@ -86,7 +83,7 @@ def test_failed_step_ends_requests_and_engine_recovers(engine, monkeypatch):
 
 
 def test_shutdown_ends_streams(tiny_dir):
-    eng = AsyncEngine(EngineConfig(model=tiny_dir, dtype="float32"))
+    eng = ThreadedEngine(EngineConfig(model=tiny_dir, dtype="float32"))
 
     async def main():
         gen = eng.generate(random_ids(20, seed=1), greedy(3000))

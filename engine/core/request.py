@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-from engine.sampling import SamplingParams
+from engine.core.sampling import SamplingParams
 
 
 class Status(Enum):
@@ -66,16 +66,3 @@ class Request:
     @property
     def in_flight(self) -> int:
         return self.num_allocated - self.num_computed
-
-
-@dataclass(slots=True)
-class Delta:
-    request_id: int
-    token_ids: list[int]
-    text: str
-    finished: bool = False
-    finish_reason: str | None = None
-    error: str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    cached_tokens: int = 0

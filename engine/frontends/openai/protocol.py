@@ -5,7 +5,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.sampling import SamplingParams
+from engine.core.sampling import SamplingParams
 
 
 class StreamOptions(BaseModel):

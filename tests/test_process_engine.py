@@ -1,4 +1,4 @@
-"""EngineProcess: the step loop in a child process, behind AsyncEngine's submit / abort / generate. Its streams match
+"""ProcessEngine: the step loop in a child process, behind ThreadedEngine's submit / abort / generate. Its streams match
 the in-process engine's; bad input is refused before streaming; an abort frees the child's KV; metrics and log lines
 come across; a child that dies or is shut down ends every stream with an error."""
 from __future__ import annotations
@@ -12,23 +12,20 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.engine_process import EngineProcess
-from engine.metrics import Metrics
-from tests.conftest import random_ids
+from engine.serving.process import ProcessEngine
+from engine.serving.metrics import Metrics
+from tests.helpers import greedy, random_ids
 
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_dir):
-    eng = EngineProcess(EngineConfig(model=tiny_dir, dtype="float32", num_threads=1))
+    eng = ProcessEngine(EngineConfig(model=tiny_dir, dtype="float32", num_threads=1))
     yield eng
     eng.shutdown()
 
 
-def run(eng: EngineProcess, prompt, params: SamplingParams, stop_after: int | None = None):
+def run(eng: ProcessEngine, prompt, params: SamplingParams, stop_after: int | None = None):
     """(deltas, thread names that pushed them) of one request; aborts it after `stop_after` deltas."""
     got: queue.SimpleQueue = queue.SimpleQueue()
     rid = eng.submit(prompt, params, lambda d: got.put((threading.current_thread().name, d)))
@@ -95,7 +92,7 @@ def test_log_lines_come_across(engine, caplog):
 
 
 def test_shutdown_ends_running_streams_and_the_child_exits(tiny_dir):
-    eng = EngineProcess(EngineConfig(model=tiny_dir, dtype="float32", num_threads=1))
+    eng = ProcessEngine(EngineConfig(model=tiny_dir, dtype="float32", num_threads=1))
     got: queue.SimpleQueue = queue.SimpleQueue()
     eng.submit(random_ids(20, seed=1), greedy(3000), got.put)
     got.get(timeout=60)
@@ -110,7 +107,7 @@ def test_shutdown_ends_running_streams_and_the_child_exits(tiny_dir):
 
 
 def test_a_child_that_dies_ends_every_stream_with_an_error(tiny_dir):
-    eng = EngineProcess(EngineConfig(model=tiny_dir, dtype="float32", num_threads=1))
+    eng = ProcessEngine(EngineConfig(model=tiny_dir, dtype="float32", num_threads=1))
     got: queue.SimpleQueue = queue.SimpleQueue()
     eng.submit(random_ids(20, seed=2), greedy(3000), got.put)
     got.get(timeout=60)
@@ -132,7 +129,7 @@ def test_a_child_that_dies_ends_every_stream_with_an_error(tiny_dir):
 
 def test_a_child_that_cannot_start_says_why(tmp_path):
     with pytest.raises(RuntimeError, match="engine process: ValueError: model: .*missing has no config.json"):
-        EngineProcess(EngineConfig(model=str(tmp_path / "missing")))
+        ProcessEngine(EngineConfig(model=str(tmp_path / "missing")))
 
 
 def test_metrics_apply_brings_a_registry_to_a_snapshot_once():

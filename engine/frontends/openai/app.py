@@ -11,17 +11,16 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine.async_engine import AsyncEngine
-from engine.engine_process import EngineProcess
-from engine.engine import Delta
-from engine.server.protocol import ChatCompletionRequest, CompletionRequest, usage
+from engine.core.output import Delta
+from engine.frontends.openai.protocol import ChatCompletionRequest, CompletionRequest, usage
+from engine.serving.client import EngineClient
 
 
 def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param}}, status_code=status)
 
 
-def create_app(engine: AsyncEngine | EngineProcess, model_name: str, api_key: str | None = None) -> FastAPI:
+def create_app(engine: EngineClient, model_name: str, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="Pagoda")
     default_max = 16
 

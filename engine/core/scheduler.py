@@ -4,9 +4,8 @@ from __future__ import annotations
 from collections import deque
 
 from engine.config import EngineConfig
-from engine.kv.dense import DenseKV
-from engine.kv.paged import PagedKV
-from engine.request import Request, Status
+from engine.core.request import Request, Status
+from engine.kv.base import KVStorage
 
 
 class QueueFull(RuntimeError):
@@ -14,7 +13,7 @@ class QueueFull(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: PagedKV | DenseKV) -> None:
+    def __init__(self, config: EngineConfig, kv: KVStorage) -> None:
         self.config = config
         self.kv = kv
         self.waiting: deque[Request] = deque()

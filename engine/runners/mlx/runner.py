@@ -9,9 +9,9 @@ from pathlib import Path
 import mlx.core as mx
 
 from engine.models.qwen2_mlx import load_mlx
-from engine.runners import mlx_attention
+from engine.runners.mlx import attention as mlx_attention
 from engine.runners.base import Geometry, Row, flatten, in_order
-from engine.sampling import SamplingParams
+from engine.core.sampling import SamplingParams
 
 
 @dataclass(slots=True)
@@ -28,6 +28,7 @@ class MLXRunner:
         self.vocab_size, self.max_model_len, self.eos_token_ids = g.vocab_size, g.max_model_len, g.eos_token_ids
         self.layers, self.kv_shape, self.bytes_per_token, self.scale = g.layers, g.kv_shape, g.bytes_per_token, g.scale
         self.streams: dict[int, mx.Stream] = {}      # MLX streams belong to the thread that made them
+        self.paged = False                # init_paged: a block pool; else one dense buffer per sequence
         self.k_cache: list[mx.array] = []
         self.v_cache: list[mx.array] = []
         self.block_size = 0
@@ -37,6 +38,7 @@ class MLXRunner:
         self.tokens_computed = 0
 
     def init_paged(self, num_blocks: int, block_size: int) -> None:
+        self.paged = True
         self.block_size = block_size
         shape = (num_blocks * block_size, *self.kv_shape)
         self.k_cache = [mx.zeros(shape, dtype=self.dtype) for _ in range(self.layers)]
@@ -113,10 +115,10 @@ class MLXRunner:
                 if chained:
                     dst, src = zip(*chained)
                     ids_a[mx.array(dst)] = prev.tokens[mx.array(src)]
-            if rows[0].buf >= 0:
-                attn = mlx_attention.dense(self.dense, rows, self.scale)
-            else:
+            if self.paged:
                 attn = mlx_attention.paged(self.k_cache, self.v_cache, self.block_size, rows, self.scale)
+            else:
+                attn = mlx_attention.dense(self.dense, rows, self.scale)
             hidden = self.model.forward(ids_a, mx.array(positions), attn)
             self.tokens_computed += len(ids)
             picked = [i for i, r in enumerate(rows) if r.sample]

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.request import Request, Status
+from engine.core.request import Request, Status
 from engine.runners.base import ModelRunner, Row
 
 

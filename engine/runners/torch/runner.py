@@ -10,10 +10,10 @@ import torch
 from engine import kernels
 from engine.kernels import cpu_gemv, cpu_pointwise
 from engine.models.loader import load_model
-from engine.runners import torch_attention
+from engine.runners.torch import attention as torch_attention
 from engine.runners.base import Geometry, Row, flatten, in_order
-from engine.runners.torch_compiled import CompiledDecode
-from engine.runners.torch_sampler import sample
+from engine.runners.torch.compiled import CompiledDecode
+from engine.runners.torch.sampler import sample
 
 log = logging.getLogger("pagoda")
 
@@ -41,6 +41,7 @@ class TorchRunner:
         g = Geometry.of(cfg, self.dtype.itemsize)
         self.vocab_size, self.max_model_len, self.eos_token_ids = g.vocab_size, g.max_model_len, g.eos_token_ids
         self.layers, self.kv_shape, self.bytes_per_token, self.scale = g.layers, g.kv_shape, g.bytes_per_token, g.scale
+        self.paged = False                # init_paged: a block pool; else one dense buffer per sequence
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.dense: dict[int, torch.Tensor] = {}
@@ -63,6 +64,7 @@ class TorchRunner:
         self.compile = compile and not fused
 
     def init_paged(self, num_blocks: int, block_size: int) -> None:
+        self.paged = True
         shape = (self.layers, num_blocks, block_size, *self.kv_shape)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -108,12 +110,12 @@ class TorchRunner:
                 ids_t[list(dst)] = prev.tokens[list(src)]
         self.tokens_computed += len(ids)
         decode = len(ids) == len(rows) and all(r.sample for r in rows)     # one token per row, every row samples
-        if decode and self.compiled is not None and rows[0].buf < 0:
+        if decode and self.compiled is not None:
             return self._finish(sample(self.compiled(ids_t, rows), rows, self.generator_for))
-        if rows[0].buf >= 0:
-            attn = torch_attention.dense(self.dense, rows, self.scale)
-        else:
+        if self.paged:
             attn = torch_attention.paged(self.ops, self.k_cache, self.v_cache, rows, self.scale, dev)
+        else:
+            attn = torch_attention.dense(self.dense, rows, self.scale)
         hidden = self.model(ids_t, torch.tensor(positions, dtype=torch.long, device=dev), attn)
         if decode:
             tokens = sample(self.model.logits(hidden), rows, self.generator_for)

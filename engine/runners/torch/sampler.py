@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from engine.runners.base import Row
-from engine.sampling import SamplingParams
+from engine.core.sampling import SamplingParams
 
 
 def sample(logits: torch.Tensor, rows: list[Row], generator_for) -> torch.Tensor:

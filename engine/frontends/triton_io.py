@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.sampling import SamplingParams
+from engine.core.sampling import SamplingParams
 
 EXTRAS = {"return_finish_reason": "finish_reason", "return_num_input_tokens": "num_input_tokens",
           "return_num_output_tokens": "num_output_tokens", "return_cached_tokens": "cached_tokens"}

@@ -1,0 +1,71 @@
+"""Output processing: a sampled token becomes text, a finish reason, and the Delta streamed to the client."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.core.request import Request
+
+
+@dataclass(slots=True)
+class Delta:
+    """What a request gained since its last delta; the last one has `finished` set."""
+    request_id: int
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None      # stop | length | abort | error
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    cached_tokens: int = 0
+
+    def __reduce__(self):
+        # Pickled per token across the process boundary: positional fields, not a slot-state dict.
+        return Delta, (self.request_id, self.token_ids, self.text, self.finished, self.finish_reason, self.error,
+                       self.num_prompt_tokens, self.num_output_tokens, self.cached_tokens)
+
+
+class Output:
+    """Detokenizes, applies stop tokens, stop strings and length limits, and cuts deltas. Text that could still
+    become a stop string is held back until it cannot."""
+
+    def __init__(self, eos_token_ids: list[int], max_model_len: int) -> None:
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_model_len = max_model_len
+
+    def append(self, req: Request, token: int) -> str | None:
+        """Add a sampled token to the request; returns its finish reason, or None while it goes on."""
+        req.output_ids.append(token)
+        p, n = req.params, len(req.output_ids)
+        if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
+            return "stop"
+        delta = req.detok.add(token)
+        req.text += delta
+        if p.stop and delta and n >= p.min_tokens and self._cut_at_stop(req, len(delta)):
+            return "stop"
+        if n >= p.max_tokens or req.seq_len >= self.max_model_len:
+            req.text += req.detok.flush()
+            return "length"
+        return None
+
+    def delta(self, req: Request, final: bool = False) -> Delta:
+        """The tokens and text not yet streamed; marks them streamed."""
+        end = len(req.text)
+        if not final and req.params.stop:
+            end = max(req.sent_text, end - max(len(s) for s in req.params.stop) + 1)
+        delta = Delta(req.id, req.output_ids[req.sent_ids:], req.text[req.sent_text:end], final, req.finish_reason,
+                      req.error, len(req.prompt_ids), len(req.output_ids), max(req.num_cached, 0))
+        req.sent_ids, req.sent_text = len(req.output_ids), end
+        return delta
+
+    @staticmethod
+    def _cut_at_stop(req: Request, added: int) -> bool:
+        """Whether the text now holds a stop string (searched only where the new text could complete one); the
+        text is cut before it."""
+        window = max(len(s) for s in req.params.stop) + added
+        tail_start = max(0, len(req.text) - window)
+        hits = [i for s in req.params.stop if (i := req.text.find(s, tail_start)) >= 0]
+        if not hits:
+            return False
+        req.text = req.text[:min(hits)]
+        return True

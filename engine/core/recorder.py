@@ -1,0 +1,75 @@
+"""Per-request and per-tick accounting: the metrics registry and the one log line per completed request."""
+from __future__ import annotations
+
+import logging
+import time
+
+from engine.core.request import Request
+from engine.serving.metrics import Metrics
+
+log = logging.getLogger("pagoda")
+STATUS = {"stop": "completed", "length": "completed", "abort": "cancelled", "error": "error"}
+
+
+class Recorder:
+    def __init__(self, metrics: Metrics, prompt_cache: bool) -> None:
+        self.metrics = metrics
+        self.prompt_cache = prompt_cache
+
+    def admitted(self, req: Request) -> None:
+        """A request's first admission: its prompt and what it adopted from the prompt cache."""
+        if req.num_cached >= 0:
+            return                              # readmitted after a preemption: counted already
+        m = self.metrics
+        req.num_cached = req.num_computed
+        m.prompt_tokens.inc(len(req.prompt_ids))
+        if self.prompt_cache:
+            m.cache_queries.inc()
+            if req.num_cached:
+                m.cache_hits.inc()
+                m.cached_tokens.inc(req.num_cached)
+
+    def token(self, req: Request) -> None:
+        """A token is about to be appended to the request."""
+        now = time.monotonic()
+        if not req.output_ids:
+            req.first_token_at = now
+            self.metrics.observe("pagoda_time_to_first_token_seconds", now - req.arrival)
+        req.last_token_at = now
+        self.metrics.generation_tokens.inc()
+
+    def decode_tick(self, batch: list[Request], cpu: float, pipelined: int) -> None:
+        """A decode tick that launched a step for `batch` (`pipelined`: 1 if it launched with a step in flight)
+        and took `cpu` seconds of this thread."""
+        m = self.metrics
+        if batch:
+            m.decode_steps.inc()
+        m.lookahead_steps.inc(pipelined)
+        m.decode_cpu.inc(cpu)
+        for req in batch:
+            req.decode_cpu += cpu / len(batch)
+
+    def finished(self, req: Request, table: tuple[int, int] | None) -> None:
+        """A request ended (its finish_reason set); `table`: its block table's contiguity (paged)."""
+        m, now, reason = self.metrics, time.monotonic(), req.finish_reason
+        if table is not None:
+            m.count_table(*table)
+        m.requests.labels(status=STATUS[reason]).inc()
+        m.observe("pagoda_e2e_request_latency_seconds", now - req.arrival)
+        n = len(req.output_ids)
+        decode, cpu = 0.0, 1000 * req.decode_cpu / max(1, n - 1)
+        if n > 1 and req.last_token_at > req.first_token_at:
+            per_token = (req.last_token_at - req.first_token_at) / (n - 1)
+            m.observe("pagoda_time_per_output_token_seconds", per_token)
+            decode = 1.0 / per_token
+        ttft = (req.first_token_at - req.arrival) * 1000 if req.first_token_at else 0.0
+        log.info("prompt-cache: request completed cached=%d/%d id=%d output=%d reason=%s ttft=%.1fms "
+                 "decode=%.1ftok/s decode_cpu=%.2fms/tok",
+                 max(req.num_cached, 0), len(req.prompt_ids), req.id, n, reason, ttft, decode, cpu)
+
+    def gauges(self, kv: dict[str, int], running: int, waiting: int) -> None:
+        m = self.metrics
+        for state, n in kv.items():
+            m.kv_blocks.labels(state=state).set(n)
+        m.batch_size.set(running)
+        m.queue_depth.set(waiting)

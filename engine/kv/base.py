@@ -1,0 +1,33 @@
+"""The storage protocol paged and dense KV implement: what the scheduler and the step loop ask of KV."""
+from __future__ import annotations
+
+from typing import Protocol
+
+from engine.core.request import Request
+
+
+class KVStorage(Protocol):
+    def fits(self, req: Request) -> bool:
+        """Whether the request could ever run, alone on empty storage."""
+
+    def admit(self, req: Request) -> bool:
+        """Adopt the longest cached prefix and make room for the rest of the prefill (sets num_computed and
+        num_allocated to the adopted length); False, with nothing taken, when there is no room now."""
+
+    def grow(self, req: Request, positions: int) -> bool:
+        """Make room for `positions` positions; False, with nothing taken, when there is no room now."""
+
+    def slots(self, req: Request, start: int, end: int) -> list[int]:
+        """Flat cache slots the runner writes positions [start, end) to (paged; dense addresses by buffer)."""
+
+    def trim(self, req: Request, positions: int) -> None:
+        """Give back the room past `positions` (an unwound speculative position)."""
+
+    def commit(self, req: Request) -> None:
+        """KV up to num_computed is final: offer it to the prompt cache."""
+
+    def release(self, req: Request) -> None:
+        """The request is done with its KV (finished or preempted)."""
+
+    def stats(self) -> dict[str, int]:
+        """Blocks (dense: buffers) by state: free, used, cached."""

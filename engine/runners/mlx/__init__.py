@@ -1,0 +1,1 @@
+"""The MLX runner (Apple silicon; mlx[cpu] on Linux)."""

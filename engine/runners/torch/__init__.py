@@ -1,0 +1,1 @@
+"""The torch runner: CUDA with Triton kernels, CPU with C++ decode kernels."""

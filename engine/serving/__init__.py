@@ -1,0 +1,1 @@
+"""Where the step loop runs (a thread or a child process) behind one EngineClient protocol."""

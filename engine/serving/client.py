@@ -1,0 +1,64 @@
+"""EngineClient: what every front end talks to, whichever place the step loop runs in; and the one factory.
+
+Two placements implement it: ThreadedEngine (serving/threaded.py: the step loop on a thread of this process) and
+ProcessEngine (serving/process.py: the step loop in a child process, off this process's GIL). Both inherit
+`generate` from here.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
+
+from engine.config import EngineConfig
+from engine.core.output import Delta
+from engine.core.sampling import SamplingParams
+from engine.serving.metrics import Metrics
+from engine.tokenizer import Tokenizer
+
+Push = Callable[[Delta], None]
+
+
+class EngineClient(Protocol):
+    config: EngineConfig            # with the model resolved
+    metrics: Metrics                # current as of each final delta
+    tokenizer: Tokenizer            # for front ends that template chats; the engine tokenizes prompts itself
+    streams: dict[int, Push]        # open requests' push functions, by id
+
+    def submit(self, prompt: str | list[int], params: SamplingParams | None, push: Push,
+               request_id: int | None = None) -> int:
+        """Queue a request whose deltas `push` receives on a thread of the client's (it must not block); returns
+        its id (`request_id`, when the caller numbers its requests itself). Raises ValueError naming the field on
+        bad input, RuntimeError when the engine is not running."""
+
+    def abort(self, request_id: int) -> None:
+        """Cancel a request: its final delta has finish_reason 'abort' and its KV is freed within one step."""
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the step loop; requests still running end with an error delta."""
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> AsyncIterator[Delta]:
+        """Stream deltas of one request; raises ValueError (naming the field) before the first delta on bad input.
+        Closing the iterator early cancels the request."""
+        deltas: asyncio.Queue[Delta] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        request_id = self.submit(prompt, params, lambda d: loop.call_soon_threadsafe(deltas.put_nowait, d))
+        finished = False
+        try:
+            while not finished:
+                delta = await deltas.get()
+                finished = delta.finished
+                yield delta
+        finally:
+            if not finished:
+                self.abort(request_id)
+            self.streams.pop(request_id, None)
+
+
+def make_client(config: EngineConfig) -> EngineClient:
+    """The engine as `config.engine_process` places it."""
+    if config.engine_process:
+        from engine.serving.process import ProcessEngine
+        return ProcessEngine(config)
+    from engine.serving.threaded import ThreadedEngine
+    return ThreadedEngine(config)

@@ -1,0 +1,222 @@
+"""ProcessEngine: the step loop in a child process; the messages it exchanges are in serving/messages.py.
+
+A front end that does Python work for every token (the Triton model builds and sends a response per token) shares
+the GIL with an engine thread in its own process, and each hand-off of the GIL stalls the engine until the other
+thread is scheduled (README, "Serving path"). In its own process the engine only pickles each delta into a pipe.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from engine.config import EngineConfig
+from engine.core.output import Delta
+from engine.core.sampling import SamplingParams
+from engine.serving import messages as m
+from engine.serving.client import EngineClient, Push
+from engine.serving.metrics import Metrics
+from engine.serving.threaded import ThreadedEngine
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger("pagoda")
+
+
+def python_executable() -> str:
+    """The interpreter the child runs on: inside Triton's Python-backend stub, sys.executable is the stub."""
+    exe = sys.executable
+    if exe and Path(exe).name.startswith("python"):
+        return exe
+    return shutil.which("python3") or exe
+
+
+@dataclass(slots=True)
+class _Answer:
+    """The child's answer to one Add: set once, with the Refused message or None."""
+    done: threading.Event = field(default_factory=threading.Event)
+    refusal: m.Refused | None = None
+
+
+class ProcessEngine(EngineClient):
+    def __init__(self, config: EngineConfig) -> None:
+        # A plain `python -m` child on a socket pair, not multiprocessing's spawn: that re-imports the parent's
+        # __main__, which fails in scripts without a main guard and means nothing inside Triton's stub. Its own
+        # session: a Ctrl-C at the terminal reaches the parent, which stops the child in order.
+        ours, theirs = socket.socketpair()
+        package_root = str(Path(__file__).resolve().parents[2])
+        path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen([python_executable(), "-m", "engine.serving.process", str(theirs.fileno())],
+                                     pass_fds=(theirs.fileno(),), env={**os.environ, "PYTHONPATH": path},
+                                     start_new_session=True)
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        self.conn.send(m.Start(config))
+        try:
+            answer = self.conn.recv()
+        except EOFError:
+            answer = m.Failed(f"exited with code {self.proc.wait()}")
+        if not isinstance(answer, m.Ready):
+            raise RuntimeError(f"engine process: {answer.message}")
+        self.config: EngineConfig = answer.config
+        self.metrics = Metrics()                    # the child's, as of its last snapshot
+        self.streams: dict[int, Push] = {}
+        self.waiting: dict[int, _Answer] = {}       # submits awaiting the child's validation
+        self.ids = itertools.count()
+        self.send_lock = threading.Lock()
+        self.running = True
+        self.reader = threading.Thread(target=self._read, name="pagoda-engine-link", daemon=True)
+        self.reader.start()
+
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        return Tokenizer(self.config.model)
+
+    def submit(self, prompt: str | list[int], params: SamplingParams | None, push: Push,
+               request_id: int | None = None) -> int:
+        """`push` runs on this process's reader thread. Waits for the child's validation."""
+        if not self.running:
+            raise RuntimeError("engine: the engine process is not running")
+        rid = next(self.ids) if request_id is None else request_id
+        answer = self.waiting[rid] = _Answer()
+        self.streams[rid] = push
+        self._send(m.Add(rid, prompt, params))
+        while not answer.done.wait(1.0):
+            if not self.reader.is_alive():              # the child died before the reader could answer this one
+                answer.refusal = m.Refused(rid, "RuntimeError", "engine: the engine process exited")
+                break
+        del self.waiting[rid]
+        if answer.refusal is not None:
+            self.streams.pop(rid, None)
+            error = ValueError if answer.refusal.kind == "ValueError" else RuntimeError
+            raise error(answer.refusal.message)
+        return rid
+
+    def abort(self, request_id: int) -> None:
+        if self.running:
+            self._send(m.Abort(request_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self.running:
+            self._send(m.Stop())
+        self.reader.join(timeout)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout)
+
+    def _send(self, message: object) -> None:
+        try:
+            with self.send_lock:
+                self.conn.send(message)
+        except (BrokenPipeError, EOFError, OSError):
+            pass                                    # the reader sees the child gone and fails its streams
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            match message:
+                case Delta(request_id=rid, finished=finished):
+                    push = self.streams.pop(rid, None) if finished else self.streams.get(rid)
+                    if push is not None:
+                        push(message)
+                case m.MetricsSnapshot(snapshot=snapshot):
+                    self.metrics.apply(snapshot)
+                case m.Log(level=level, text=text):
+                    log.log(level, "%s", text)
+                case m.Added(request_id=rid) | m.Refused(request_id=rid):
+                    answer = self.waiting.get(rid)
+                    if answer is not None:
+                        answer.refusal = message if isinstance(message, m.Refused) else None
+                        answer.done.set()
+        self._child_gone()
+
+    def _child_gone(self) -> None:
+        self.running = False
+        try:
+            code = self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            code = None
+        for rid, answer in list(self.waiting.items()):
+            answer.refusal = m.Refused(rid, "RuntimeError", "engine: the engine process exited")
+            answer.done.set()
+        for rid, push in list(self.streams.items()):
+            del self.streams[rid]
+            push(Delta(rid, [], "", True, "error", f"engine: the engine process exited (code {code})"))
+
+
+class _PipeLog(logging.Handler):
+    def __init__(self, send) -> None:
+        super().__init__()
+        self.send = send
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.send(m.Log(record.levelno, self.format(record)))
+
+
+def serve(conn: Connection) -> None:
+    """The child: a ThreadedEngine on the config of the parent's Start, whose deltas, log lines and metrics go up
+    the pipe."""
+    start: m.Start = conn.recv()
+    lock = threading.Lock()
+
+    def send(message: object) -> None:
+        try:
+            with lock:
+                conn.send(message)
+        except OSError:                             # the parent is gone; the loop below ends on EOF
+            pass
+    log.addHandler(_PipeLog(send))
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    try:
+        engine = ThreadedEngine(start.config)
+    except Exception as e:
+        send(m.Failed(f"{type(e).__name__}: {e}"))
+        return
+    send(m.Ready(engine.config))
+    metrics, last = engine.metrics, [time.monotonic()]
+
+    def push(d: Delta) -> None:
+        now = time.monotonic()
+        if d.finished or now - last[0] >= m.METRICS_S:       # a final delta's counters are current when it lands
+            last[0] = now
+            send(m.MetricsSnapshot(metrics.snapshot()))
+        send(d)
+
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:                            # the parent is gone
+            break
+        match message:
+            case m.Add(request_id=rid, prompt=prompt, params=params):
+                try:
+                    engine.submit(prompt, params, push, request_id=rid)
+                except (ValueError, RuntimeError) as e:
+                    send(m.Refused(rid, type(e).__name__, str(e)))
+                else:
+                    send(m.Added(rid))
+            case m.Abort(request_id=rid):
+                engine.abort(rid)
+            case m.Stop():
+                break
+    engine.shutdown()
+    send(m.MetricsSnapshot(metrics.snapshot()))
+
+
+if __name__ == "__main__":
+    serve(Connection(int(sys.argv[1])))

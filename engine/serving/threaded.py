@@ -1,0 +1,93 @@
+"""ThreadedEngine: the step loop on a background thread of this process."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+from engine.config import EngineConfig
+from engine.core.engine import Engine
+from engine.core.output import Delta
+from engine.core.request import Request
+from engine.core.sampling import SamplingParams
+from engine.core.scheduler import QueueFull
+from engine.serving.client import EngineClient, Push
+from engine.serving.metrics import Metrics
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger("pagoda")
+
+
+class ThreadedEngine(EngineClient):
+    def __init__(self, config: EngineConfig | None = None, engine: Engine | None = None) -> None:
+        self.engine = engine or Engine(config)
+        self.engine.on_delta = self._deliver
+        self.inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self.streams: dict[int, Push] = {}
+        self.wake = threading.Event()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._loop, name="pagoda-engine", daemon=True)
+        self.thread.start()
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.engine.metrics
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def submit(self, prompt: str | list[int], params: SamplingParams | None, push: Push,
+               request_id: int | None = None) -> int:
+        if self.stopping:
+            raise RuntimeError("engine: shutting down")
+        req = self.engine.make_request(prompt, params, request_id)
+        self.streams[req.id] = push
+        self.inbox.put(req)
+        self.wake.set()
+        return req.id
+
+    def abort(self, request_id: int) -> None:
+        self.engine.abort(request_id)
+        self.wake.set()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self.stopping = True
+        self.wake.set()
+        self.thread.join(timeout)
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self.stopping:
+            self._take_inbox()
+            if not engine.has_work:
+                self.wake.wait()
+                self.wake.clear()
+                continue
+            try:
+                engine.step()
+            except Exception as e:      # a failed step ends every request in flight; the engine serves on
+                log.exception("engine step failed")
+                engine.fail_all(f"engine: step failed: {e}")
+        self._take_inbox()
+        engine.fail_all("engine: shut down")
+
+    def _take_inbox(self) -> None:
+        while True:
+            try:
+                req = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self.engine.add(req)
+            except QueueFull as e:
+                self._deliver(Delta(req.id, [], "", True, "error", str(e), len(req.prompt_ids)))
+
+    def _deliver(self, d: Delta) -> None:
+        push = self.streams.pop(d.request_id, None) if d.finished else self.streams.get(d.request_id)
+        if push is not None:
+            push(d)
