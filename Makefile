@@ -23,28 +23,29 @@ setup: $(STAMP)
 
 # tritonserver on the embedded default model; one prompt streamed cold, then again as a prompt-cache hit.
 run: setup
-	$(PY) scripts/main_job.py
+	$(PY) -m perf.main_job
 
 test: setup
+	$(PY) -m ruff check .
 	$(PY) -m pytest
 
 # tritonserver in the foreground on model_repository/ (ports and extra flags overridable).
 serve: setup
-	$(PY) scripts/tritonserver.py --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
+	$(PY) -m scripts.tritonserver --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
 	  --metrics-port $(METRICS_PORT) -- $(TRITON_ARGS)
 
 # Full length: 512-token prompts, 512 new tokens, 7 pairs, concurrency 1,2,4; then the same on qwen2.5-0.5b.
 bench: setup
-	$(PY) scripts/main_job.py --prompt-tokens 512 --max-tokens 512 --pairs 7 --concurrency 1,2,4 \
+	$(PY) -m perf.main_job --prompt-tokens 512 --max-tokens 512 --pairs 7 --concurrency 1,2,4 \
 	  --perf-requests 8 --out perf/results/full-small
-	$(PY) scripts/main_job.py --preset qwen2.5-0.5b --dtype float32 --prompt-tokens 512 --max-tokens 512 \
+	$(PY) -m perf.main_job --preset qwen2.5-0.5b --dtype float32 --prompt-tokens 512 --max-tokens 512 \
 	  --pairs 7 --concurrency 1,2,4 --perf-requests 8 --out perf/results/full-qwen2.5-0.5b
 
 # Reliability soak (not part of `make test`, which runs a 30-second one): tritonserver with the default model,
 # 8 clients mixing hits, misses, cancels and bad inputs; `make soak SOAK_SECONDS=60` shortens it.
 soak: setup
-	$(PY) scripts/soak.py --seconds $(SOAK_SECONDS) --concurrency 8
+	$(PY) -m scripts.soak --seconds $(SOAK_SECONDS) --concurrency 8
 
 # Pagoda next to transformers, mlx-lm, the memory roofline and itself through tritonserver, in one run (~20 min).
 bench-peers: setup
-	$(PY) perf/bench_peers.py --out perf/results
+	$(PY) -m perf.bench_peers --out perf/results

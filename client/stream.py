@@ -1,6 +1,6 @@
 """Stream one completion from the Triton model and report TTFT, decode tok/s, cached tokens, finish reason.
 
-    python client/stream.py --prompt "Hello" --max-tokens 32 [--url 127.0.0.1:8001] [--protocol grpc|http]
+    python -m client.stream --prompt "Hello" --max-tokens 32 [--url 127.0.0.1:8001] [--protocol grpc|http]
 Decode rate = (tokens - 1) / (t_last_token - t_first_token), from token arrival times.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Paged decode attention: time per call and achieved bandwidth, contiguous vs shuffled block tables.
 
-    python perf/bench_attention.py [--impl reference|triton] [--device cuda] [--contexts 512,2048,8192] [--batches 1,4]
+    python -m perf.bench_attention [--impl reference|triton] [--device cuda] [--contexts 512,2048,8192] [--batches 1,4]
 Bytes moved per call = the K and V of every sequence's context (what a kernel must read at least), so GB/s is
 comparable with the device's memory bandwidth (--peak-gbs; known GPUs are looked up by name).
 """
@@ -9,15 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine.kernels import select          # noqa: E402
+from engine.kernels import select
 
 PEAK_GBS = {"H200": 4800, "H100": 3350, "A100": 2039, "L40S": 864, "L4": 300, "A10": 600, "RTX 4090": 1008}
 

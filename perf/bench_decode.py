@@ -1,26 +1,21 @@
 """In-process decode tok/s: Pagoda's LLM next to transformers' generate on the same checkpoint, in one run.
 
-    python perf/bench_decode.py --preset qwen2.5-0.5b --dtype float32 --max-tokens 256
+    python -m perf.bench_decode --preset qwen2.5-0.5b --dtype float32 --max-tokens 256
 Decode rate = (tokens - 1) / (t_last_token - t_first_token), greedy, EOS ignored by both.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine.config import EngineConfig          # noqa: E402
-from engine.core.engine import Engine                # noqa: E402
-from engine.models.presets import cached_model  # noqa: E402
-from perf.inprocess import greedy_run           # noqa: E402
+from engine.config import EngineConfig
+from engine.core.engine import Engine
+from engine.models.presets import cached_model
+from perf.common import decode_rate, greedy_run, prompt_ids, table
 
 
 def pagoda_rate(model: str, dtype: str, prompt: list[int], n: int, **options) -> float:
@@ -47,8 +42,7 @@ def transformers_rate(model: str, dtype: str, prompt: list[int], n: int) -> floa
     with torch.inference_mode():
         hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                     streamer=clock, pad_token_id=0)
-    token_times = clock.times[1:]          # the first put() is the prompt
-    return (len(token_times) - 1) / (token_times[-1] - token_times[0])
+    return decode_rate(clock.times[1:])          # the first put() is the prompt
 
 
 def main() -> None:
@@ -63,7 +57,7 @@ def main() -> None:
     rows = []
     for preset in args.preset or ["tiny", "qwen2.5-0.5b"]:
         model = str(cached_model(preset))
-        prompt = [random.Random(0).randrange(3, 800) for _ in range(args.prompt_tokens)]
+        prompt = prompt_ids(args.prompt_tokens)
         runs: dict[str, list[float]] = {"pagoda paged": [], "pagoda dense": [], "transformers": []}
         pagoda_rate(model, args.dtype, prompt, 8)           # warm-up
         transformers_rate(model, args.dtype, prompt, 8)
@@ -77,10 +71,9 @@ def main() -> None:
             rows.append({"preset": preset, "dtype": args.dtype, "engine": name, "median_tok_s": med,
                          "min": min(rates), "max": max(rates), "vs_transformers": med / base})
     print(f"threads={torch.get_num_threads()} new_tokens={args.max_tokens} prompt={args.prompt_tokens}")
-    print(f"{'preset':14} {'engine':14} {'tok/s':>9} {'min':>9} {'max':>9} {'x transformers':>15}")
-    for r in rows:
-        print(f"{r['preset']:14} {r['engine']:14} {r['median_tok_s']:9.1f} {r['min']:9.1f} {r['max']:9.1f} "
-              f"{r['vs_transformers']:15.2f}")
+    print(table(["preset", "engine", "tok/s", "min", "max", "x transformers"],
+                [[r["preset"], r["engine"], f"{r['median_tok_s']:.1f}", f"{r['min']:.1f}", f"{r['max']:.1f}",
+                  f"{r['vs_transformers']:.2f}"] for r in rows], left=2))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

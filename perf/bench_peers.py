@@ -1,6 +1,6 @@
 """Pagoda next to its peers, in one run on this machine: every row is a ratio Pagoda / peer with its goal.
 
-    python perf/bench_peers.py [--quick] [--out perf/results]
+    python -m perf.bench_peers [--quick] [--out perf/results]
 1. in-process decode tok/s, LLM vs transformers generate: qwen2.5-0.5b fp32 and bf16, and tiny (per-token overhead)
    (no --compile rows: fp32 decode on a CPU runs the fused C kernels, which outrun the compiled graph, so compile
    stands down there)
@@ -20,46 +20,31 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import random
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from engine.config import EngineConfig
+from engine.core.engine import Engine
+from engine.core.sampling import SamplingParams
+from engine.models import hugepages
+from engine.models.presets import cached_model
+from perf.bench_decode import transformers_rate
+from perf.common import ROOT, Pair, greedy_run, median_pair, paired, prompt_ids, table
 
-from engine.config import EngineConfig                  # noqa: E402
-from engine.core.engine import Engine                        # noqa: E402
-from engine.models import hugepages                     # noqa: E402
-from engine.models.presets import cached_model          # noqa: E402
-from engine.core.sampling import SamplingParams              # noqa: E402
-from perf.bench_decode import transformers_rate         # noqa: E402
-from perf.inprocess import greedy_run                   # noqa: E402
-
-
-def prompt_ids(n: int = 32, seed: int = 0) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 800) for _ in range(n)]
-
-
-class Pair(NamedTuple):
-    pagoda: float       # median
-    peer: float         # median
-    ratio: float        # median of the per-pair ratios: drift between pairs cancels
-
-
-def median_pair(a, b, repeats: int) -> Pair:
-    """Interleave two measurements `repeats` times, in ABBA order so that neither always runs first."""
-    xs, ys = [], []
-    for i in range(repeats):
-        for f in ((a, b) if i % 2 == 0 else (b, a)):
-            (xs if f is a else ys).append(f())
-    return Pair(statistics.median(xs), statistics.median(ys), statistics.median(x / y for x, y in zip(xs, ys)))
+# Each row's goal: it is met when Pagoda / peer >= goal.
+GOALS = {
+    "decode fp32": 1.05, "decode bf16": 1.0, "decode tiny": 2.5,
+    "roofline sum": 0.90, "roofline gemv": 0.90, "roofline linear": 0.90,
+    "concurrency 2": 1.0, "concurrency 4": 2.5,
+    "lookahead torch": 0.98, "lookahead mlx": 1.15,
+    "triton small": 0.90, "triton big": 0.90,
+    "mlx-lm": 1.0,
+}
 
 
 def in_process(preset: str, dtype: str, tokens: int, repeats: int, threads: int) -> Pair:
@@ -87,15 +72,18 @@ def sum_bandwidth(x: torch.Tensor, reads: int = 5) -> float:
 def aggregate(engine: Engine, concurrency: int, tokens: int) -> float:
     """Decoded tokens per second over all requests, from when every request has its first token to the end."""
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    for i in range(concurrency):
-        engine.add(engine.make_request(prompt_ids(seed=100 + i), params))
     times: list[float] = []
     firsts: dict[int, float] = {}
+
+    def arrived(d) -> None:
+        now = time.perf_counter()
+        firsts.setdefault(d.request_id, now)
+        times.extend([now] * len(d.token_ids))
+    engine.on_delta = arrived
+    for i in range(concurrency):
+        engine.add(engine.make_request(prompt_ids(seed=100 + i), params))
     while engine.has_work:
-        for d in engine.step():
-            now = time.perf_counter()
-            firsts.setdefault(d.request_id, now)
-            times += [now] * len(d.token_ids)
+        engine.step()
     start = max(firsts.values())
     return sum(1 for t in times if t > start) / (times[-1] - start)
 
@@ -150,8 +138,8 @@ def row(section: str, what: str, pagoda: float, peer: float, goal: float, unit: 
             "unit": unit, "met": ratio >= goal}
 
 
-def paired(section: str, what: str, pair: Pair, goal: float) -> dict:
-    return row(section, what, pair.pagoda, pair.peer, goal, ratio=pair.ratio)
+def paired_row(section: str, what: str, pair: Pair, goal: str) -> dict:
+    return row(section, what, pair.pagoda, pair.peer, GOALS[goal], ratio=pair.ratio)
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -185,28 +173,31 @@ def main(argv: list[str] | None = None) -> list[dict]:
     decode, look = "in-process vs transformers", "lookahead vs sync"
 
     steps = [
-        ("decode", lambda: [paired(decode, f"{big} fp32", in_process(big, "float32", n, reps, t), 1.05),
-                            paired(decode, f"{big} bf16", in_process(big, "bfloat16", n, reps, t), 1.0),
-                            paired(decode, "tiny fp32", in_process("tiny", "float32", small_n, small_reps, t), 2.5)]),
+        ("decode", lambda: [paired_row(decode, f"{big} fp32", in_process(big, "float32", n, reps, t), "decode fp32"),
+                            paired_row(decode, f"{big} bf16", in_process(big, "bfloat16", n, reps, t), "decode bf16"),
+                            paired_row(decode, "tiny fp32", in_process("tiny", "float32", small_n, small_reps, t),
+                                       "decode tiny")]),
         ("roofline", lambda: roofline_rows(big, t, big_n, reps if args.quick else 8)),
         ("concurrency", lambda: concurrency_rows(t, small_n, small_reps)),
-        ("lookahead", lambda: [paired(look, "torch small", lookahead("small", "torch", small_n, small_reps, t), 0.98),
-                               paired(look, "mlx small", lookahead("small", "mlx", small_n, small_reps, t), 1.15)]),
-        ("triton", lambda: [paired("tritonserver vs in-process", "small, 1 thread each",
-                                   through_triton("small", small_n, small_reps, 1), 0.90),
-                            paired("tritonserver vs in-process", f"{big}, 1 thread each",
-                                   through_triton(big, big_n, big_reps, 1), 0.90)]),
-        ("mlx", lambda: [paired("mlx runner vs mlx-lm", "small", mlx_vs_mlx_lm("small", small_n, small_reps), 1.0)]),
+        ("lookahead", lambda: [paired_row(look, "torch small", lookahead("small", "torch", small_n, small_reps, t),
+                                          "lookahead torch"),
+                               paired_row(look, "mlx small", lookahead("small", "mlx", small_n, small_reps, t),
+                                          "lookahead mlx")]),
+        ("triton", lambda: [paired_row("tritonserver vs in-process", "small, 1 thread each",
+                                       through_triton("small", small_n, small_reps, 1), "triton small"),
+                            paired_row("tritonserver vs in-process", f"{big}, 1 thread each",
+                                       through_triton(big, big_n, big_reps, 1), "triton big")]),
+        ("mlx", lambda: [paired_row("mlx runner vs mlx-lm", "small", mlx_vs_mlx_lm("small", small_n, small_reps),
+                                    "mlx-lm")]),
     ]
     rows: list[dict] = []
     for name, step in tqdm(steps, desc="bench-peers", unit="section", file=sys.stderr):
         rows += step()
     print(f"\nPagoda vs peers, {time.strftime('%Y-%m-%d')}, torch threads {t}"
           f"{' (quick: smoke only)' if args.quick else ''}")
-    print(f"{'section':28} {'what':32} {'pagoda':>10} {'peer':>10} {'ratio':>6} {'goal':>6}  met")
-    for r in rows:
-        print(f"{r['section']:28} {r['what']:32} {r['pagoda']:10.1f} {r['peer']:10.1f} {r['ratio']:6.2f} "
-              f"{r['goal']:6.2f}  {'yes' if r['met'] else 'NO'}")
+    print(table(["section", "what", "pagoda", "peer", "ratio", "goal", "met"],
+                [[r["section"], r["what"], f"{r['pagoda']:.1f}", f"{r['peer']:.1f}", f"{r['ratio']:.2f}",
+                  f"{r['goal']:.2f}", "yes" if r["met"] else "NO"] for r in rows], left=2))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_peers.json").write_text(json.dumps(rows, indent=2))
@@ -258,13 +249,13 @@ def roofline_rows(preset: str, threads: int, tokens: int, repeats: int) -> list[
         linears.append(gemv_ceiling(engine, 3))
 
     def against(ceilings: list[float]) -> Pair:
-        return Pair(statistics.median(rates), statistics.median(ceilings),
-                    statistics.median(r / c for r, c in zip(rates, ceilings)))
+        return paired(rates, ceilings)
     gb = weights / 1e9
     roof, k, lin = against(roofs), against(kernels), against(linears)
-    return [paired("memory roofline", f"{preset} fp32 ({roof.peer * gb:.1f} GB/s)", roof, 0.90),
-            paired("memory roofline", f"GEMV kernel pass ({k.peer * gb:.1f} GB/s)", k, 0.90),
-            paired("memory roofline", f"torch F.linear pass ({lin.peer * gb:.1f} GB/s)", lin, 0.90)]
+    return [paired_row("memory roofline", f"{preset} fp32 ({roof.peer * gb:.1f} GB/s)", roof, "roofline sum"),
+            paired_row("memory roofline", f"GEMV kernel pass ({k.peer * gb:.1f} GB/s)", k, "roofline gemv"),
+            paired_row("memory roofline", f"torch F.linear pass ({lin.peer * gb:.1f} GB/s)", lin,
+                       "roofline linear")]
 
 
 def concurrency_rows(threads: int, tokens: int, repeats: int) -> list[dict]:
@@ -275,9 +266,7 @@ def concurrency_rows(threads: int, tokens: int, repeats: int) -> list[dict]:
     for _ in range(repeats):                         # interleaved, so drift on a shared machine hits all three
         for c in runs:
             runs[c].append(aggregate(engine, c, tokens))
-    return [paired("aggregate decode (paged)", f"small c={c} vs c=1",
-                   Pair(statistics.median(runs[c]), statistics.median(runs[1]),
-                        statistics.median(x / y for x, y in zip(runs[c], runs[1]))), 2.5 if c == 4 else 1.0)
+    return [paired_row("aggregate decode (paged)", f"small c={c} vs c=1", paired(runs[c], runs[1]), f"concurrency {c}")
             for c in (2, 4)]
 
 

@@ -1,6 +1,6 @@
 """Serving benchmark: TTFT and decode tok/s after a prompt-cache miss vs after a hit, at several concurrencies.
 
-    python client/bench_serving_concurrency.py --url 127.0.0.1:8001 --protocol triton --concurrency 1,2,4 \\
+    python -m perf.bench_serving --url 127.0.0.1:8001 --protocol triton --concurrency 1,2,4 \\
         --prompt-tokens 512 --max-tokens 512 --mode alternate --pairs 7 --json out.json --plot out.png
 alternate: one discarded warm-up pair, then MISS/HIT pairs of identical geometry (greedy, EOS ignored, so both
 decode the same window). decode tok/s = (tokens - 1) / (t_last_token - t_first_token), from arrival times.
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import time
@@ -17,11 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from client.metrics import scrape_many                        # noqa: E402
-from client.stream import Result, stream_grpc, stream_openai   # noqa: E402
-from client.workload import Workload                          # noqa: E402
+from client.metrics import scrape_many
+from client.stream import Result, stream_grpc, stream_openai
+from client.workload import Workload
+from perf.common import bootstrap_interval, plot_requests, range_cell, spread
+from perf.common import table as text_table
 
 COUNTERS = ("pagoda_decode_lookahead_steps_total", "pagoda_decode_cpu_seconds_total",
             "pagoda_block_table_pairs_total", "pagoda_block_table_consecutive_pairs_total")
@@ -64,17 +63,6 @@ def paired_ratio(samples: list[Sample], concurrency: int) -> float:
     return statistics.median(ratios) if ratios else float("nan")
 
 
-def bootstrap_interval(values: list[float], level: float = 0.95, resamples: int = 2000,
-                       seed: int = 0) -> tuple[float, float]:
-    """Percentile bootstrap interval of the median: how far the paired ratio could move on a rerun."""
-    if len(values) < 2:
-        return float("nan"), float("nan")
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
-    tail = (1 - level) / 2
-    return medians[int(tail * resamples)], medians[min(resamples - 1, int((1 - tail) * resamples))]
-
-
 def summarize(samples: list[Sample]) -> dict:
     """Per concurrency: median/min/max of TTFT and decode rate for miss and hit, and the hit/miss ratios."""
     out = {}
@@ -84,11 +72,9 @@ def summarize(samples: list[Sample]) -> dict:
             group = [s for s in samples if s.concurrency == c and s.kind == kind and s.error is None]
             if not group:
                 continue
-            ttft = [s.ttft_s for s in group]
-            rate = [s.decode_tok_s for s in group]
             row[kind] = {"n": len(group),
-                         "ttft_ms": [1000 * statistics.median(ttft), 1000 * min(ttft), 1000 * max(ttft)],
-                         "decode_tok_s": [statistics.median(rate), min(rate), max(rate)],
+                         "ttft_ms": spread([1000 * s.ttft_s for s in group]),
+                         "decode_tok_s": spread([s.decode_tok_s for s in group]),
                          "cached": statistics.median(s.cached_tokens for s in group),
                          "prompt_tokens": statistics.median(s.prompt_tokens for s in group),
                          "lookahead_steps": statistics.median(s.lookahead_steps for s in group),
@@ -105,46 +91,29 @@ def summarize(samples: list[Sample]) -> dict:
 
 
 def table(summary: dict, title: str = "") -> str:
-    lines = [title] if title else []
-    lines.append(f"{'conc':>4} {'kind':4} {'n':>3} {'TTFT ms med (min-max)':>24} {'decode tok/s med (min-max)':>28} "
-                 f"{'cached':>9} {'lookahead/req':>13} {'cpu ms/tok':>10} {'contiguity':>10}")
+    rows, notes = [], []
     for c, row in summary.items():
         for kind in ("miss", "hit"):
-            if kind not in row:
-                continue
-            r = row[kind]
-            t, d = r["ttft_ms"], r["decode_tok_s"]
-            lines.append(f"{c:>4} {kind:4} {r['n']:>3} {t[0]:9.1f} ({t[1]:6.1f}-{t[2]:6.1f}) "
-                         f"{d[0]:11.1f} ({d[1]:6.1f}-{d[2]:6.1f}) "
-                         f"{int(r['cached']):>4}/{int(r['prompt_tokens']):<4} {r['lookahead_steps']:>13.0f} "
-                         f"{r['decode_cpu_ms']:>10.3f} {r['contiguity']:>10.3f}")
+            if kind in row:
+                r = row[kind]
+                rows.append([c, kind, r["n"], range_cell(r["ttft_ms"]), range_cell(r["decode_tok_s"]),
+                             f"{int(r['cached'])}/{int(r['prompt_tokens'])}", f"{r['lookahead_steps']:.0f}",
+                             f"{r['decode_cpu_ms']:.3f}", f"{r['contiguity']:.3f}"])
         if "decode_ratio" in row:
             lo, hi = row["paired_decode_ci95"]
-            lines.append(f"{c:>4} hit/miss: decode {row['decode_ratio']:.3f} (paired {row['paired_decode_ratio']:.3f},"
+            notes.append(f"{c:>4} hit/miss: decode {row['decode_ratio']:.3f} (paired {row['paired_decode_ratio']:.3f},"
                          f" 95% CI {lo:.3f}-{hi:.3f})  TTFT {row['ttft_ratio']:.3f}"
                          f"  decode CPU per token {row['decode_cpu_ratio']:.3f}")
-    return "\n".join(lines)
+    header = ["conc", "kind", "n", "TTFT ms med (min-max)", "decode tok/s med (min-max)", "cached",
+              "lookahead/req", "cpu ms/tok", "contiguity"]
+    return "\n".join([title] * bool(title) + [text_table(header, rows, left=0)] + notes)
 
 
 def plot(samples: list[Sample], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for c in sorted({s.concurrency for s in samples}):
-        for kind, marker in (("miss", "o"), ("hit", "^")):
-            group = [s for s in samples if s.concurrency == c and s.kind == kind and s.error is None]
-            xs = [s.pair for s in group]
-            axes[0].plot(xs, [s.decode_tok_s for s in group], marker, label=f"c={c} {kind}")
-            axes[1].plot(xs, [1000 * s.ttft_s for s in group], marker, label=f"c={c} {kind}")
-    axes[0].set(title="decode tok/s per request", xlabel="pair", ylabel="tok/s")
-    axes[1].set(title="TTFT per request", xlabel="pair", ylabel="ms", yscale="log")
-    for ax in axes:
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    series = {f"c={c} {kind}": [(s.pair, s.decode_tok_s, 1000 * s.ttft_s) for s in samples
+                                if s.concurrency == c and s.kind == kind and s.error is None]
+              for c in sorted({s.concurrency for s in samples}) for kind in ("miss", "hit")}
+    plot_requests(series, path, "per pair")
 
 
 class Bench:

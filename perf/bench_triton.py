@@ -3,26 +3,22 @@ model, same prompts (cold: each prompt starts with a fresh nonce). With `--engin
 servers run, the engine in a child process (config.pbtxt's default) and on a thread of the Python-backend stub;
 every repeat runs each server and then the engine in process, so each served/in-process ratio pairs neighbours.
 
-    python perf/bench_triton.py [--model DIR] [--max-tokens 128] [--repeats 5] [--num-threads 1]
+    python -m perf.bench_triton [--model DIR] [--max-tokens 128] [--repeats 5] [--num-threads 1]
                                 [--engine-process both|true|false]
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from client.stream import stream_grpc             # noqa: E402
-from engine.config import EngineConfig            # noqa: E402
-from engine.core.engine import Engine                  # noqa: E402
-from perf.inprocess import greedy_run             # noqa: E402
-from scripts.tritonserver import launch           # noqa: E402
+from client.stream import stream_grpc
+from engine.config import EngineConfig
+from engine.core.engine import Engine
+from perf.common import ROOT, greedy_run, ratio_of_pairs
+from scripts.tritonserver import launch
 
 
 def main() -> None:
@@ -66,7 +62,7 @@ def main() -> None:
         rate = [r for _, r in got]
         label = name if name == "in-process" else f"triton grpc, engine_process={name}"
         ratio = "" if name == "in-process" else \
-            f"  served/in-process {statistics.median(r / x for r, x in zip(rate, local)):.2f} (per-pair median)"
+            f"  served/in-process {ratio_of_pairs(rate, local):.2f} (per-pair median)"
         print(f"{label:36} ttft {statistics.median(ttft):7.1f}ms ({min(ttft):.1f}-{max(ttft):.1f})  "
               f"decode {statistics.median(rate):7.1f} tok/s ({min(rate):.1f}-{max(rate):.1f}){ratio}")
 

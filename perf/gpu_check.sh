@@ -24,13 +24,13 @@ echo "== 1. kernel tests on the GPU"
 
 echo "== 2. decode attention benchmark"
 for impl in triton reference; do
-    "$PY" perf/bench_attention.py --impl "$impl" --device cuda --dtype bfloat16 --contexts 512,2048,8192 \
+    "$PY" -m perf.bench_attention --impl "$impl" --device cuda --dtype bfloat16 --contexts 512,2048,8192 \
         --batches 1,4 --iters 50 --json "$OUT/attention_$impl.json"
 done
 
 echo "== 3. hit vs miss decode, qwen2.5-0.5b bf16, in process"
 for storage in paged dense; do
-    "$PY" perf/profile_hit_miss.py --preset qwen2.5-0.5b --dtype bfloat16 --device cuda --attention auto \
+    "$PY" -m perf.profile_hit_miss --preset qwen2.5-0.5b --dtype bfloat16 --device cuda --attention auto \
         --storage "$storage" --pairs 8 --max-tokens 128 --json "$OUT/hit_miss_$storage.json"
 done
 echo "gpu_check: JSON in $OUT"

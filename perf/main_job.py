@@ -1,5 +1,5 @@
 """The main job (`make run`; `make bench` at full length): for paged storage (max_batch_size 4) and dense storage
-(max_batch_size 1), start tritonserver, stream one request with client/stream.py, run the alternate hit/miss
+(max_batch_size 1), start tritonserver, stream one request with client.stream, run the alternate hit/miss
 benchmark and the perf_analyzer comparison, stop the server; then print one summary table. JSON and plots go
 under --out (perf/results/ by default)."""
 from __future__ import annotations
@@ -11,12 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from client import bench_serving_concurrency as bench     # noqa: E402
-from perf import perf_hit_miss                             # noqa: E402
-from scripts.tritonserver import launch                    # noqa: E402
+from perf import bench_serving as bench
+from perf import perf_hit_miss
+from perf.common import ROOT, range_cell, table
+from scripts.tritonserver import launch
 
 STORAGES = {"paged": {"PAGODA_KV_STORAGE": "paged", "PAGODA_MAX_BATCH_SIZE": "4"},
             "dense": {"PAGODA_KV_STORAGE": "dense", "PAGODA_MAX_BATCH_SIZE": "1"}}
@@ -34,8 +32,8 @@ def one_storage(name: str, args: argparse.Namespace, out: Path) -> dict:
     print(f"\n== {name}: tritonserver ready in {time.monotonic() - started:.1f}s (grpc {server.grpc_url})", flush=True)
     try:
         prompt = (ROOT / "engine/models/corpus.txt").read_text(encoding="utf-8")[:600]
-        subprocess.run([sys.executable, str(ROOT / "client/stream.py"), "--url", server.grpc_url, "--prompt", prompt,
-                        "--max-tokens", "32"], check=True)
+        subprocess.run([sys.executable, "-m", "client.stream", "--url", server.grpc_url, "--prompt", prompt,
+                        "--max-tokens", "32"], check=True, cwd=ROOT)
         concurrency = args.concurrency if name == "paged" else "1"
         report = bench.main(["--url", server.grpc_url, "--metrics-url", server.metrics_url,
                              "--concurrency", concurrency, "--prompt-tokens", str(args.prompt_tokens),
@@ -52,25 +50,25 @@ def one_storage(name: str, args: argparse.Namespace, out: Path) -> dict:
 
 
 def summary_table(results: dict) -> str:
-    lines = [f"{'storage':8} {'source':14} {'TTFT miss ms':>12} {'TTFT hit ms':>11} {'TTFT h/m':>8} "
-             f"{'decode miss tok/s':>22} {'decode hit tok/s':>22} {'h/m':>6} {'paired (95% CI)':>21} {'cached':>9} {'la/req':>6} {'cpu ms/tok m/h':>14} {'contig m/h':>11}"]
+    """bench rows measure everything; perf_analyzer rows leave out what it cannot see (the server's counters)."""
+    rows = []
     for name, r in results.items():
         row = r["bench"][1]
         m, h = row["miss"], row["hit"]
         lo, hi = row["paired_decode_ci95"]
-        lines.append(f"{name:8} {'bench c=1':14} {m['ttft_ms'][0]:12.1f} {h['ttft_ms'][0]:11.1f} {row['ttft_ratio']:8.3f} "
-                     f"{m['decode_tok_s'][0]:7.1f} ({m['decode_tok_s'][1]:5.1f}-{m['decode_tok_s'][2]:5.1f}) "
-                     f"{h['decode_tok_s'][0]:7.1f} ({h['decode_tok_s'][1]:5.1f}-{h['decode_tok_s'][2]:5.1f}) "
-                     f"{row['decode_ratio']:6.3f} {row['paired_decode_ratio']:6.3f} ({lo:.3f}-{hi:.3f}) "
-                     f"{int(h['cached']):>4}/{int(h['prompt_tokens']):<4} {h['lookahead_steps']:6.0f} "
-                     f"{m['decode_cpu_ms']:6.3f}/{h['decode_cpu_ms']:.3f} "
-                     f"{m['contiguity']:5.2f}/{h['contiguity']:.2f}")
+        rows.append([name, "bench c=1", f"{m['ttft_ms'][0]:.1f}", f"{h['ttft_ms'][0]:.1f}", f"{row['ttft_ratio']:.3f}",
+                     range_cell(m["decode_tok_s"]), range_cell(h["decode_tok_s"]), f"{row['decode_ratio']:.3f}",
+                     f"{row['paired_decode_ratio']:.3f} ({lo:.3f}-{hi:.3f})",
+                     f"{int(h['cached'])}/{int(h['prompt_tokens'])}", f"{h['lookahead_steps']:.0f}",
+                     f"{m['decode_cpu_ms']:.3f}/{h['decode_cpu_ms']:.3f}",
+                     f"{m['contiguity']:.2f}/{h['contiguity']:.2f}"])
         pa = r["perf_analyzer"]
-        lines.append(f"{name:8} {'perf_analyzer':14} {pa['miss_ttft_ms'][0]:12.1f} {pa['hit_ttft_ms'][0]:11.1f} "
-                     f"{pa['ttft_ratio']:8.3f} {pa['miss_decode_tok_s'][0]:7.1f} ({pa['miss_decode_tok_s'][1]:5.1f}-"
-                     f"{pa['miss_decode_tok_s'][2]:5.1f}) {pa['hit_decode_tok_s'][0]:7.1f} ({pa['hit_decode_tok_s'][1]:5.1f}-"
-                     f"{pa['hit_decode_tok_s'][2]:5.1f}) {pa['decode_ratio']:6.3f} {'':>21} {'':>9} {'':>6}")
-    return "\n".join(lines)
+        rows.append([name, "perf_analyzer", f"{pa['miss_ttft_ms'][0]:.1f}", f"{pa['hit_ttft_ms'][0]:.1f}",
+                     f"{pa['ttft_ratio']:.3f}", range_cell(pa["miss_decode_tok_s"]),
+                     range_cell(pa["hit_decode_tok_s"]), f"{pa['decode_ratio']:.3f}", "", "", "", "", ""])
+    header = ["storage", "source", "TTFT miss ms", "TTFT hit ms", "TTFT h/m", "decode miss tok/s",
+              "decode hit tok/s", "h/m", "paired (95% CI)", "cached", "la/req", "cpu ms/tok m/h", "contig m/h"]
+    return table(header, rows, left=2)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,12 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     results = {name: one_storage(name, args, out) for name in STORAGES}
-    table = summary_table(results)
+    text = summary_table(results)
     print(f"\n== summary: prompt {args.prompt_tokens} tokens (HIT shares all but 23), {args.max_tokens} new tokens, "
-          f"greedy; {args.pairs} alternate pairs after 1 warm-up pair; medians (min-max)\n{table}")
+          f"greedy; {args.pairs} alternate pairs after 1 warm-up pair; medians (min-max)\n{text}")
     print(f"\nwall time {time.monotonic() - started:.0f}s; JSON and plots in {out}")
     (out / "summary.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
-    (out / "summary.txt").write_text(table + "\n")
+    (out / "summary.txt").write_text(text + "\n")
     return 0
 
 

@@ -2,7 +2,7 @@
 with a prefix that is warmed first; a MISS set whose prompts never share a first token), runs perf_analyzer on
 each (`-i grpc --streaming`, a fixed request count, concurrency 1) and compares the two exports.
 
-    python perf/perf_hit_miss.py --url 127.0.0.1:8001 --prompt-tokens 471 --max-tokens 128 --requests 8 \\
+    python -m perf.perf_hit_miss --url 127.0.0.1:8001 --prompt-tokens 471 --max-tokens 128 --requests 8 \\
         --out perf/results/paged
 """
 from __future__ import annotations
@@ -13,12 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from client.stream import stream_grpc      # noqa: E402
-from client.workload import Workload       # noqa: E402
-from perf import compare                   # noqa: E402
+from client.stream import stream_grpc
+from client.workload import Workload
+from perf import compare
+from perf.common import ROOT
 
 
 def input_data(prompts: list[list[int]], params: dict) -> dict:
@@ -31,13 +29,14 @@ def perf_analyzer(url: str, model: str, data: Path, export: Path, requests: int,
     export.unlink(missing_ok=True)            # perf_analyzer refuses to overwrite an export
     # -x: with no version named, perf_analyzer picks the one whose server-side stats changed during the run, and
     # fails ("failed to find the requested model version") when its last snapshot beats the server's stats update
-    cmd = [sys.executable, str(ROOT / "scripts/perf_analyzer.py"), "-m", model, "-x", version, "-u", url, "-i", "grpc",
+    cmd = [sys.executable, "-m", "scripts.perf_analyzer", "-m", model, "-x", version, "-u", url, "-i", "grpc",
            "--streaming", "--input-data", str(data), "--concurrency-range", "1", "--request-count", str(requests),
            "--stability-percentage", "1000", "--profile-export-file", str(export)]
-    run = subprocess.run(cmd, capture_output=True, text=True)
+    run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if run.returncode != 0:
         text = run.stdout + run.stderr
-        raise SystemExit(f"perf_analyzer failed ({run.returncode}): {' '.join(cmd)}\n{text[:1500]}\n...\n{text[-1500:]}")
+        raise SystemExit(f"perf_analyzer failed ({run.returncode}): {' '.join(cmd)}\n{text[:1500]}\n...\n"
+                         f"{text[-1500:]}")
 
 
 def main(argv: list[str] | None = None) -> dict:

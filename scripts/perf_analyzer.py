@@ -1,6 +1,6 @@
 """Run perf_analyzer from the tritonclient wheel with the CUDA runtime library it links, from its own wheel.
 
-    python scripts/perf_analyzer.py -m llm -x 1 -u 127.0.0.1:8001 -i grpc --streaming --input-data FILE ...
+    python -m scripts.perf_analyzer -m llm -x 1 -u 127.0.0.1:8001 -i grpc --streaming --input-data FILE ...
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 from N concurrent clients for a fixed time, loopback only. Then it checks that nothing leaked and that a sample of
 greedy outputs equals LLM.generate on the same model, and prints one summary.
 
-    python scripts/soak.py [--seconds 600] [--concurrency 8] [--max-requests 100000] [--model DIR]
+    python -m scripts.soak [--seconds 600] [--concurrency 8] [--max-requests 100000] [--model DIR]
 Exit status 1 when anything unexpected happened (an error, a stream without FINAL, a leaked block, a mismatch).
 """
 from __future__ import annotations
@@ -17,12 +17,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from client.metrics import scrape                   # noqa: E402
-from client.stream import grpc_inputs               # noqa: E402
-from scripts.tritonserver import launch             # noqa: E402
+from client.metrics import scrape
+from client.stream import grpc_inputs
+from scripts.tritonserver import ROOT, launch
 
 BAD = [  # (sampling parameters or inputs, the field the error must name)
     ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"), ({"top_p": 2}, "top_p"),

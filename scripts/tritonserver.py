@@ -1,6 +1,6 @@
 """Run the real tritonserver shipped in the nvidia-pytriton wheel on this repo's model repository.
 
-    python scripts/tritonserver.py [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
+    python -m scripts.tritonserver [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
                                    [--model-repository DIR] [-- extra tritonserver flags]
 It assembles a Python backend folder holding the stub built for this interpreter's Python version, and a
 small venv on Debian's python (whose libpython the stub embeds) that sees this interpreter's packages.
@@ -69,8 +69,8 @@ def stub_env(cache: Path) -> Path:
     env_dir = cache / "stub-env"
     if not (env_dir / "bin" / "python3").exists():
         subprocess.run([str(base), "-m", "venv", "--without-pip", str(env_dir)], check=True)
-    site = Path(subprocess.check_output([str(env_dir / "bin" / "python3"), "-c",
-                                         "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = Path(subprocess.check_output([str(env_dir / "bin" / "python3"), "-c", purelib], text=True).strip())
     ours = sysconfig.get_paths()["purelib"]
     (site / "pagoda.pth").write_text(f"import site; site.addsitedir({ours!r})\n{ROOT}\n", encoding="utf-8")
     return env_dir / "bin"
@@ -121,22 +121,26 @@ def launch(env: dict[str, str], log: Path, ready_timeout: float = 300,
            repository: Path = ROOT / "model_repository") -> Server:
     """Start tritonserver in the background on free loopback ports; returns once the model is ready."""
     ports = free_port(), free_port(), free_port()
-    cmd = [sys.executable, str(Path(__file__).resolve()), f"--http-port={ports[0]}", f"--grpc-port={ports[1]}",
+    cmd = [sys.executable, "-m", "scripts.tritonserver", f"--http-port={ports[0]}", f"--grpc-port={ports[1]}",
            f"--metrics-port={ports[2]}", f"--model-repository={repository}"]
     out = open(log, "w")
-    proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
     server = Server(proc, *ports, log)
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"tritonserver exited with {proc.returncode}:\n{log.read_text(encoding='utf-8', errors='replace')[-4000:]}")
+            raise RuntimeError(f"tritonserver exited with {proc.returncode}:\n{tail(log)}")
         try:
             if urllib.request.urlopen(f"http://127.0.0.1:{ports[0]}/v2/health/ready", timeout=2).status == 200:
                 return server
         except OSError:
             time.sleep(0.5)
     proc.kill()
-    raise RuntimeError(f"tritonserver not ready in {ready_timeout}s:\n{log.read_text(encoding='utf-8', errors='replace')[-4000:]}")
+    raise RuntimeError(f"tritonserver not ready in {ready_timeout}s:\n{tail(log)}")
+
+
+def tail(log: Path) -> str:
+    return log.read_text(encoding="utf-8", errors="replace")[-4000:]
 
 
 def main(argv: list[str] | None = None) -> None:

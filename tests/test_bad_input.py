@@ -12,8 +12,8 @@ import tritonclient.grpc as grpcclient
 
 from client.metrics import scrape
 from scripts import tritonserver as triton_server
-from tests.helpers import post, start_openai as start
-from tests.helpers import collect
+from tests.helpers import collect, post
+from tests.helpers import start_openai as start
 
 GOOD = '{"max_tokens": 2, "temperature": 0}'
 

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from perf.bench_serving import Sample, bootstrap_interval, paired_ratio, summarize, table
 from client.stream import Result, _apply
 from client.workload import NONCE, Workload
 from perf import compare
+from perf.bench_serving import Sample, paired_ratio, summarize, table
+from perf.common import bootstrap_interval
 
 DATA = Path(__file__).parent / "data"
 

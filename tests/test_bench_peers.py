@@ -5,6 +5,7 @@ import math
 import statistics
 
 from perf import bench_peers
+from perf.common import Pair, median_pair
 
 
 def test_rows_carry_ratio_and_goal(tmp_path):
@@ -45,14 +46,14 @@ def test_median_pair_alternates_which_runs_first():
     calls = []
     a = lambda: calls.append("a") or 1.0 + len(calls)     # noqa: E731
     b = lambda: calls.append("b") or 100.0 + len(calls)   # noqa: E731
-    pair = bench_peers.median_pair(a, b, 4)
+    pair = median_pair(a, b, 4)
     assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]
     assert pair.pagoda == 5.5 and pair.peer == 104.5    # medians of a's (2, 5, 6, 9) and b's (102, 103, 106, 107)
     assert pair.ratio == (5 / 103 + 6 / 106) / 2        # the median of the per-pair ratios, not 5.5 / 104.5
 
 
 def test_paired_row_takes_the_paired_ratio():
-    r = bench_peers.paired("lookahead vs sync", "mlx small", bench_peers.Pair(120.0, 100.0, 1.1), 1.15)
+    r = bench_peers.paired_row("lookahead vs sync", "mlx small", Pair(120.0, 100.0, 1.1), "lookahead mlx")
     assert (r["pagoda"], r["peer"], r["ratio"], r["met"]) == (120.0, 100.0, 1.1, False)
 
 
@@ -68,7 +69,7 @@ def test_lookahead_row_switches_one_engine(tiny_dir, monkeypatch):
     pair = bench_peers.lookahead("tiny", "torch", 4, 2, 1)
     assert len(engines) == 1
     assert modes == [True, False, True, False, False, True]     # warm-up, then ABBA
-    assert pair == bench_peers.Pair(200.0, 100.0, 2.0)
+    assert pair == Pair(200.0, 100.0, 2.0)
 
 
 def test_roofline_pairs_each_decode_run_with_its_own_ceilings(tiny_dir, monkeypatch):

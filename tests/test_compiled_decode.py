@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.config import EngineConfig
 from engine.kernels import cpu_gemv, cpu_pointwise
-from engine.runners.torch import attention as torch_attention
 from engine.runners.base import Row
+from engine.runners.torch import attention as torch_attention
 from engine.runners.torch.runner import TorchRunner
 from tests.helpers import greedy, random_ids
 

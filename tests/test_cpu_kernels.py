@@ -16,7 +16,6 @@ from engine.models.qwen2 import Linear, RMSNorm, Rope
 from tests.helpers import random_ids
 
 
-
 @pytest.fixture(scope="module")
 def gemv() -> cpu_gemv.CpuGemv:
     kernel = cpu_gemv.load(threads=2)

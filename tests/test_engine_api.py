@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from tests.helpers import greedy, random_ids, step
 
 
@@ -103,4 +103,5 @@ def test_default_model_is_made_once(monkeypatch, tmp_path):
     stamp = path.stat().st_mtime_ns
     second = LLM(max_batch_size=1)
     assert path.stat().st_mtime_ns == stamp
-    assert first.generate("hello", greedy(5, ignore_eos=False))[0].token_ids == second.generate("hello", greedy(5, ignore_eos=False))[0].token_ids
+    params = greedy(5, ignore_eos=False)
+    assert first.generate("hello", params)[0].token_ids == second.generate("hello", params)[0].token_ids

@@ -5,8 +5,9 @@ import itertools
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from tests.helpers import run_workload as run
+
 
 @pytest.fixture
 def reference(model_dir) -> list[list[int]]:

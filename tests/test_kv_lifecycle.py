@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.kernels import reference as ref
 from tests.helpers import greedy, random_ids, step
 

@@ -11,11 +11,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from engine.core.request import Request
+from engine.core.sampling import SamplingParams
 from engine.kv.block_pool import FREE, HELD, TAKEN, BlockPool
 from engine.kv.paged import PagedKV
 from engine.kv.prefix_cache import PrefixCache
-from engine.core.request import Request
-from engine.core.sampling import SamplingParams
 
 BS, BLOCKS = 4, 12
 FAMILIES = [[1, 2, 3, 1, 2, 3, 1, 2], [2, 2, 2, 2, 3, 3, 3, 3], [1, 1, 1, 1, 1, 1, 1, 1]]

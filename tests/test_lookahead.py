@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.config import EngineConfig
 from tests.helpers import greedy, random_ids, step
-
 
 
 def test_512_token_request_pipelines(tiny_dir):

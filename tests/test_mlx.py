@@ -10,8 +10,8 @@ import torch
 from engine import LLM, SamplingParams
 from engine.kernels import select
 from engine.models.loader import load_model
-from engine.runners.torch import attention as torch_attention
 from engine.runners.base import Row
+from engine.runners.torch import attention as torch_attention
 from tests.helpers import random_ids
 from tests.helpers import run_workload as run
 
@@ -106,8 +106,8 @@ def test_async_engine_thread_and_server_runner(tiny_dir):
     """The engine loop runs on its own thread; MLX streams are per thread, so this must work there too."""
     import asyncio
 
-    from engine.serving.threaded import ThreadedEngine
     from engine.config import EngineConfig
+    from engine.serving.threaded import ThreadedEngine
     eng = ThreadedEngine(EngineConfig(model=tiny_dir, runner="mlx", dtype="float32"))
     try:
         async def main():

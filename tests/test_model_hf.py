@@ -10,8 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from engine.kernels import select
 from engine.models.loader import load_model
-from engine.runners.torch import attention as torch_attention
 from engine.runners.base import Row
+from engine.runners.torch import attention as torch_attention
 from tests.helpers import random_ids
 
 REFERENCE = select("reference", "cpu")

@@ -4,8 +4,6 @@ from __future__ import annotations
 import http.client
 import json
 import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -15,8 +13,8 @@ import pytest
 from client.metrics import scrape
 from client.stream import stream_openai
 from engine import LLM, SamplingParams
-from scripts.tritonserver import free_port
-from tests.helpers import post, random_ids, start_openai as start
+from tests.helpers import post, random_ids
+from tests.helpers import start_openai as start
 
 PROMPT = random_ids(70, seed=11)
 

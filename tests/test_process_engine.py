@@ -12,10 +12,9 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.serving.process import ProcessEngine
 from engine.serving.metrics import Metrics
+from engine.serving.process import ProcessEngine
 from tests.helpers import greedy, random_ids
-
 
 
 @pytest.fixture(scope="module")

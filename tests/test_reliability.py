@@ -15,9 +15,8 @@ from client.metrics import scrape
 from client.stream import grpc_inputs, stream_grpc
 from engine import LLM, SamplingParams
 from scripts import tritonserver as triton_server
-from tests.helpers import random_ids
+from tests.helpers import collect, random_ids, stop_checked
 from tests.helpers import start_openai as start
-from tests.helpers import collect, stop_checked
 
 SECRET = "zebra quartz lantern"          # prompt text that must never reach a log
 GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}

@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.core.scheduler import QueueFull
 from tests.helpers import greedy, random_ids
-
 
 
 def test_batch_never_exceeds_max_and_refills(tiny_dir):

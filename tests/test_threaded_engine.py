@@ -5,11 +5,10 @@ import asyncio
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.serving.threaded import ThreadedEngine
+from engine import LLM
 from engine.config import EngineConfig
+from engine.serving.threaded import ThreadedEngine
 from tests.helpers import greedy, random_ids
-
 
 
 @pytest.fixture

@@ -2,16 +2,13 @@
 from __future__ import annotations
 
 import json
-import queue
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-import warnings
 
 import pytest
-import tritonclient.grpc as grpcclient
 
 from client.metrics import scrape
 from client.stream import grpc_inputs, stream_grpc, stream_http
@@ -129,7 +126,7 @@ def test_cancel_mid_stream_frees_blocks(server):
 def test_stream_client(server):
     r = stream_grpc(server.grpc_url, "llm", PROMPT, {"max_tokens": 6, "temperature": 0})
     assert r.error is None and len(r.ids) == 6 and len(r.token_times) == 6 and r.ttft > 0
-    cli = subprocess.run([sys.executable, "client/stream.py", "--prompt", PROMPT, "--max-tokens", "6",
+    cli = subprocess.run([sys.executable, "-m", "client.stream", "--prompt", PROMPT, "--max-tokens", "6",
                           "--url", server.grpc_url], capture_output=True, text=True, cwd=triton_server.ROOT)
     assert cli.returncode == 0 and "decode=" in cli.stdout and "finish_reason=length" in cli.stdout
 
@@ -139,7 +136,7 @@ def test_perf_analyzer_runs(server, tmp_path):
                       "sampling_parameters": [json.dumps({"max_tokens": 8, "temperature": 0})]}]}
     (tmp_path / "input.json").write_text(json.dumps(data))
     export = tmp_path / "export.json"
-    run = subprocess.run([sys.executable, "scripts/perf_analyzer.py", "-m", "llm", "-x", "1", "-u", server.grpc_url,
+    run = subprocess.run([sys.executable, "-m", "scripts.perf_analyzer", "-m", "llm", "-x", "1", "-u", server.grpc_url,
                           "-i", "grpc",
                           "--streaming", "--input-data", str(tmp_path / "input.json"), "--measurement-mode",
                           "count_windows", "--measurement-request-count", "5", "--concurrency-range", "1",

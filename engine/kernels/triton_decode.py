@@ -29,7 +29,7 @@ def _partial(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, scale,
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
+    denom = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     first = split * SPLIT_BLOCKS
     last = tl.minimum(first + SPLIT_BLOCKS, tl.cdiv(seq_len, BLOCK_SIZE))
@@ -46,12 +46,12 @@ def _partial(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, scale,
         m_new = tl.maximum(m, tl.max(s, axis=1))                               # finite: a block has a valid slot
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
+        denom = denom * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m = m_new
-    has = l > 0                                                                # false for an empty split
-    out = acc / tl.where(has, l, 1.0)[:, None]
-    lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
+    has = denom > 0                                                                # false for an empty split
+    out = acc / tl.where(has, denom, 1.0)[:, None]
+    lse = tl.where(has, m + tl.log(tl.where(has, denom, 1.0)), float("-inf"))
     tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], out,
              mask=g_ok[:, None] & d_ok[None, :])
     tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g_ok)

@@ -25,7 +25,7 @@ def _prefill(q_ptr, k_ptr, v_ptr, table_ptr, out_ptr, start, num_tokens, scale,
                 mask=i_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     q_pos = start + i
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
+    denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     end = start + tl.minimum(tile * BLOCK_M + BLOCK_M, num_tokens)              # keys this tile can see
     for j in range(0, tl.cdiv(end, BLOCK_SIZE)):
@@ -43,10 +43,10 @@ def _prefill(q_ptr, k_ptr, v_ptr, table_ptr, out_ptr, start, num_tokens, scale,
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                    # rows past the tokens see nothing
         alpha = tl.exp(m - m_safe)
         p = tl.exp(s - m_safe[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
+        denom = denom * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m = m_new
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(out_ptr + i[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=i_ok[:, None] & d_ok[None, :])
 

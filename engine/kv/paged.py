@@ -1,9 +1,9 @@
 """Paged KV: per-request block tables over a shared pool, with prefix adoption from the prompt cache."""
 from __future__ import annotations
 
+from engine.core.request import Request
 from engine.kv.block_pool import BlockPool
 from engine.kv.prefix_cache import PrefixCache, block_hash
-from engine.core.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

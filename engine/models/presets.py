@@ -1,8 +1,8 @@
-"""Random-weight Qwen2 checkpoints made locally, in exactly the Hugging Face layout, with a locally trained tokenizer."""
+"""Random-weight Qwen2 checkpoints made locally, in exactly the Hugging Face layout, with a locally trained
+tokenizer."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path

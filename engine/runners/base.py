@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.models.config import ModelConfig
 from engine.core.sampling import SamplingParams
+from engine.models.config import ModelConfig
 
 
 @dataclass(slots=True)

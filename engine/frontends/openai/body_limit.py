@@ -39,5 +39,6 @@ class BodyLimit:
         payload = json.dumps({"error": {"message": f"body: {size} bytes exceed the limit of {self.limit}",
                                         "type": "invalid_request_error", "param": "body"}}).encode()
         await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(payload)).encode())]})
         await send({"type": "http.response.body", "body": payload})

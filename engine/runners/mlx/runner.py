@@ -8,10 +8,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from engine.models.qwen2_mlx import load_mlx
-from engine.runners.mlx import attention as mlx_attention
-from engine.runners.base import Geometry, Row, flatten, in_order
 from engine.core.sampling import SamplingParams
+from engine.models.qwen2_mlx import load_mlx
+from engine.runners.base import Geometry, Row, flatten, in_order
+from engine.runners.mlx import attention as mlx_attention
 
 
 @dataclass(slots=True)

@@ -10,8 +10,8 @@ import torch
 from engine import kernels
 from engine.kernels import cpu_gemv, cpu_pointwise
 from engine.models.loader import load_model
-from engine.runners.torch import attention as torch_attention
 from engine.runners.base import Geometry, Row, flatten, in_order
+from engine.runners.torch import attention as torch_attention
 from engine.runners.torch.compiled import CompiledDecode
 from engine.runners.torch.sampler import sample
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.runners.base import Row
 from engine.core.sampling import SamplingParams
+from engine.runners.base import Row
 
 
 def sample(logits: torch.Tensor, rows: list[Row], generator_for) -> torch.Tensor:
