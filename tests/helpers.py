@@ -39,6 +39,15 @@ def step(engine: Engine) -> list[Delta]:
     return out
 
 
+def wait_until(check, what: str, timeout: float = 30.0) -> None:
+    """Poll `check()` until it is true; a state, never a guess of how long something takes."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.05)
+
+
 # ---- the equivalence workload: four prompts of different lengths, greedy ----
 LENGTHS = [37, 70, 101, 140]
 MAX_TOKENS = [24, 9, 30, 17]

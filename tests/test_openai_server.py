@@ -118,7 +118,7 @@ def test_disconnect_mid_stream_frees_blocks(server):
 
 
 def test_bench_client_openai_protocol(server, tmp_path):
-    from client import bench_serving_concurrency as bench
+    from perf import bench_serving as bench
     report = bench.main(["--protocol", "openai", "--url", server, "--model", "tiny0", "--prompt-tokens", "80",
                          "--max-tokens", "6", "--pairs", "1", "--json", str(tmp_path / "o.json")])
     row = report["summary"][1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import shutil
 import signal
 import threading
 import time
@@ -15,7 +16,7 @@ from client.metrics import scrape
 from client.stream import grpc_inputs, stream_grpc
 from engine import LLM, SamplingParams
 from scripts import tritonserver as triton_server
-from tests.helpers import collect, random_ids, stop_checked
+from tests.helpers import collect, random_ids, stop_checked, wait_until
 from tests.helpers import start_openai as start
 
 SECRET = "zebra quartz lantern"          # prompt text that must never reach a log
@@ -30,6 +31,41 @@ def triton(tiny_dir, tmp_path_factory):
                                 "PAGODA_NUM_KV_BLOCKS": "40"}, log)
     yield srv
     stop_checked(srv)
+
+
+@pytest.fixture(scope="module")
+def roomy(tiny_dir, tmp_path_factory):
+    """Two rows over a 64k-token context: a request asked for 60000 tokens holds its row until it is cancelled,
+    whatever the decode speed, so a third request stays queued for as long as a test needs."""
+    base = tmp_path_factory.mktemp("roomy")
+    model = shutil.copytree(tiny_dir, base / "model")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 65536}))
+    srv = triton_server.launch({"PAGODA_MODEL": str(model), "PAGODA_DTYPE": "float32", "PAGODA_MAX_BATCH_SIZE": "2",
+                                "PAGODA_NUM_KV_BLOCKS": "4096"}, base / "server.log")
+    yield srv
+    stop_checked(srv)
+
+
+class Held:
+    """A streamed request that runs until the test cancels it."""
+
+    def __init__(self, srv, prompt: list[int], max_tokens: int = 60000) -> None:
+        self.responses = 0
+        self.started = threading.Event()
+        self.client = grpcclient.InferenceServerClient(srv.grpc_url)
+        self.client.start_stream(callback=self._on_response)
+        self.client.async_stream_infer("llm", grpc_inputs(prompt, {**GREEDY, "max_tokens": max_tokens}),
+                                       enable_empty_final_response=True)
+
+    def _on_response(self, result, error) -> None:
+        if error is None:
+            self.responses += 1
+            self.started.set()
+
+    def cancel(self) -> None:
+        self.client.stop_stream(cancel_requests=True)
+        self.client.close()
 
 
 def value(srv, name: str, **labels: str) -> float:
@@ -53,35 +89,31 @@ def long_request(seed: int, max_tokens: int = 300) -> list:
 
 
 @pytest.mark.parametrize("stage", ["queued", "first-token", "mid-decode", "last-token"])
-def test_cancel_at_each_stage_returns_every_block(triton, stage):
+def test_cancel_at_each_stage_returns_every_block(roomy, stage):
     probe = random_ids(40, seed=77)
-    reference = stream_grpc(triton.grpc_url, "llm", probe, GREEDY).ids
-    used = value(triton, "pagoda_kv_blocks", state="used")
-    cancelled = value(triton, "pagoda_requests_total", status="cancelled")
-    blockers = []
+    reference = stream_grpc(roomy.grpc_url, "llm", probe, GREEDY).ids
+    used = value(roomy, "pagoda_kv_blocks", state="used")
+    cancelled = value(roomy, "pagoda_requests_total", status="cancelled")
     if stage == "queued":                    # both rows busy: the cancelled request never leaves the queue
-        blockers = [threading.Thread(target=collect, args=(triton, long_request(s, 150))) for s in (1, 2)]
-        for t in blockers:
-            t.start()
-        time.sleep(0.5)
-    if stage == "queued":
-        client = grpcclient.InferenceServerClient(triton.grpc_url)
-        client.start_stream(callback=lambda result, error: None)
-        client.async_stream_infer("llm", grpc_inputs(random_ids(50, seed=5), {**GREEDY, "max_tokens": 400}),
-                                  enable_empty_final_response=True)
-        time.sleep(0.2)
-        client.stop_stream(cancel_requests=True)
-        client.close()
+        blockers = [Held(roomy, random_ids(60, seed=s)) for s in (1, 2)]
+        assert all(b.started.wait(60) for b in blockers)
+        victim = Held(roomy, random_ids(50, seed=5), max_tokens=400)
+        wait_until(lambda: value(roomy, "pagoda_queue_depth") >= 1, "the request to queue")
+        victim.cancel()
+        wait_until(lambda: value(roomy, "pagoda_requests_total", status="cancelled") >= cancelled + 1,
+                   "the queued request to end as cancelled")
+        assert victim.responses == 0
+        for b in blockers:
+            b.cancel()
+        cancelled += 2
     else:
         after = {"first-token": 1, "mid-decode": 6, "last-token": 11}[stage]
-        params = GREEDY if stage == "last-token" else {**GREEDY, "max_tokens": 400}   # else the cancel lands late
-        responses, error = collect(triton, grpc_inputs(random_ids(50, seed=5), params), cancel_after=after)
+        params = GREEDY if stage == "last-token" else {**GREEDY, "max_tokens": 60000}
+        responses, error = collect(roomy, grpc_inputs(random_ids(50, seed=5), params), cancel_after=after)
         assert error is None and len(responses) == after
-    for t in blockers:
-        t.join(60)
     raced = stage == "last-token"            # the last token may already be on its way: completed or cancelled
-    settle(triton, used, None if raced else cancelled + 1)
-    assert stream_grpc(triton.grpc_url, "llm", probe, GREEDY).ids == reference
+    settle(roomy, used, None if raced else cancelled + 1)
+    assert stream_grpc(roomy.grpc_url, "llm", probe, GREEDY).ids == reference
 
 
 def test_grpc_channel_closed_abruptly(triton):
@@ -193,29 +225,20 @@ def test_triton_shutdown_with_a_stream_in_flight(tiny_dir, tmp_path):
     assert done["error"] is None and done["responses"][-1]["final"] and len(done["responses"]) == 600
 
 
-def test_requests_cancelled_while_queued_return_their_blocks(tiny_dir, tmp_path):
-    """Six requests cancelled while they wait behind two busy rows: each ends as cancelled, every block returns,
-    and the server stops."""
-    srv = triton_server.launch({"PAGODA_MODEL": tiny_dir, "PAGODA_DTYPE": "float32", "PAGODA_MAX_BATCH_SIZE": "2"},
-                               tmp_path / "server.log")
-    try:
-        # long enough to still hold both rows when the cancels land (~0.8 s in), at any decode speed seen here
-        blockers = [threading.Thread(target=collect, args=(srv, long_request(s, 2000))) for s in (1, 2)]
-        for t in blockers:
-            t.start()
-        time.sleep(0.5)
-        clients = []
-        for i in range(6):
-            client = grpcclient.InferenceServerClient(srv.grpc_url)
-            client.start_stream(callback=lambda result, error: None)
-            client.async_stream_infer("llm", grpc_inputs(random_ids(30, seed=60 + i), GREEDY))
-            clients.append(client)
-        time.sleep(0.3)
-        for client in clients:
-            client.stop_stream(cancel_requests=True)
-            client.close()
-        for t in blockers:
-            t.join(60)
-        settle(srv, 0, 6)
-    finally:
-        stop_checked(srv)
+def test_requests_cancelled_while_queued_return_their_blocks(roomy):
+    """Six requests cancelled while they wait behind two busy rows: each ends as cancelled and every block
+    returns."""
+    used = value(roomy, "pagoda_kv_blocks", state="used")
+    cancelled = value(roomy, "pagoda_requests_total", status="cancelled")
+    blockers = [Held(roomy, random_ids(60, seed=s)) for s in (11, 12)]
+    assert all(b.started.wait(60) for b in blockers)
+    queued = [Held(roomy, random_ids(30, seed=60 + i), max_tokens=12) for i in range(6)]
+    wait_until(lambda: value(roomy, "pagoda_queue_depth") >= 6, "six requests to queue")
+    for q in queued:
+        q.cancel()
+    wait_until(lambda: value(roomy, "pagoda_requests_total", status="cancelled") >= cancelled + 6,
+               "the six queued requests to end as cancelled")
+    assert all(q.responses == 0 for q in queued)
+    for b in blockers:
+        b.cancel()
+    settle(roomy, used, cancelled + 8)

@@ -14,7 +14,7 @@ from client.metrics import scrape
 from client.stream import grpc_inputs, stream_grpc, stream_http
 from engine import LLM, SamplingParams
 from scripts import tritonserver as triton_server
-from tests.helpers import collect, random_ids, stop_checked
+from tests.helpers import collect, random_ids, stop_checked, wait_until
 
 PROMPT = ("A serving engine reads a prompt, turns it into tokens, and computes the keys and values of every token "
           "once. Those keys and values are kept in a cache, so that each new token only attends to what was already "
@@ -48,7 +48,8 @@ def test_stream_matches_offline_and_reports_extras(server, tiny_dir):
 
     again, _ = collect(server, grpc_inputs(PROMPT, params, **flags))
     assert int(again[-1]["cached_tokens"][0]) > 0
-    time.sleep(1.0)                                # the metrics mirror syncs every 0.5 s
+    wait_until(lambda: scrape(server.metrics_url, "pagoda_time_to_first_token_seconds_count") >= 2,
+               "the metrics mirror to show both requests")
     assert scrape(server.metrics_url, "pagoda_prompt_cache_hits_total", model="llm", version="1") >= 1
     assert scrape(server.metrics_url, "pagoda_decode_lookahead_steps_total") > 0
     assert scrape(server.metrics_url, "pagoda_kv_blocks", state="free") > 0
@@ -167,7 +168,7 @@ def test_bare_config_is_auto_completed(tiny_dir, tmp_path):
 
 
 def test_hit_miss_benchmarks_against_server(server, tmp_path):
-    from client import bench_serving_concurrency as bench
+    from perf import bench_serving as bench
     from perf import perf_hit_miss
     report = bench.main(["--url", server.grpc_url, "--metrics-url", server.metrics_url,
                          "--prompt-tokens", "80", "--max-tokens", "6", "--pairs", "2", "--concurrency", "1,2",
