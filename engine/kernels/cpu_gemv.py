@@ -79,7 +79,7 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 class GemvOp:
     """The kernel as the torch op pagoda::gemv, so a torch.compile'd graph calls it instead of breaking on ctypes.
-    The op costs ~10 us more a call than ctypes, so it takes only weights too big for the cache (> OP_MIN_BYTES);
+    The op costs more per call than ctypes, so it takes only weights too big for the cache (> OP_MIN_BYTES);
     the compiled graph's own prepacked GEMM serves the rest."""
     max_rows = MAX_ROWS
 

@@ -80,7 +80,7 @@ class Layer(nn.Module):
 
     def forward(self, idx: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 attn: Attention) -> torch.Tensor:
-        # Submodules are called through .forward: nn.Module.__call__ costs ~6 us a call, a third of a small op.
+        # Submodules are called through .forward: nn.Module.__call__ (hooks) costs as much as a small decode op.
         t, nh, nkv = x.shape[0], self.n_heads, self.n_kv
         if self.kernels is not None and t <= self.kernels[0].max_rows:      # decode steps
             return self.fused(idx, x, rope, attn)

@@ -18,7 +18,7 @@ COMPILED_TOKENS = 16
 def operand(w: mx.array, contiguous: bool) -> mx.array:
     """A checkpoint weight [out, in] as the right operand of `x @ w`: a copy laid out [in, out], or a view.
     The copy is for the CPU. MLX hands fp32 products to cblas_sgemm, and its Linux wheels bundle the reference
-    BLAS, whose no-transpose loop (an axpy) runs about twice as fast as the dot-product loop that an [out, in]
+    BLAS, whose no-transpose loop (an axpy) runs faster than the dot-product loop that an [out, in]
     weight gets. A GPU keeps the view, the layout mlx-lm's Linear uses."""
     return mx.contiguous(w.T) if contiguous else w.T
 

@@ -2,8 +2,8 @@
 
 Over one socket pair, pickled (multiprocessing.connection framing):
     parent -> child: Start once, then Add, Abort, and Stop last.
-    child -> parent: Ready or Failed once (the answer to Start); then, in any order,
-        Added or Refused (exactly one per Add, the child's validation of it),
+    child -> parent: Started once (the answer to Start, with the config or why it failed); then, in any order,
+        Answer (exactly one per Add: the child's validation of it),
         Delta (engine/core/output.py; a request's last one has `finished` set),
         MetricsSnapshot (with each final delta, and at least every METRICS_S while the engine works),
         Log (the child's log records, for the parent to log).
@@ -21,19 +21,11 @@ from engine.core.sampling import SamplingParams
 METRICS_S = 0.5
 
 
+# ---- parent -> child ----
+
 @dataclass(slots=True)
 class Start:
     config: EngineConfig
-
-
-@dataclass(slots=True)
-class Ready:
-    config: EngineConfig            # with the model the child resolved
-
-
-@dataclass(slots=True)
-class Failed:
-    message: str
 
 
 @dataclass(slots=True)
@@ -44,25 +36,27 @@ class Add:
 
 
 @dataclass(slots=True)
-class Added:
-    request_id: int
-
-
-@dataclass(slots=True)
-class Refused:
-    request_id: int
-    kind: str                       # the exception's class name: ValueError is the caller's fault
-    message: str
-
-
-@dataclass(slots=True)
 class Abort:
     request_id: int
 
 
-@dataclass(slots=True)
 class Stop:
-    pass
+    """The last message: shut the engine down (requests still running end with an error delta)."""
+
+
+# ---- child -> parent ----
+
+@dataclass(slots=True)
+class Started:
+    config: EngineConfig | None     # with the model the child resolved; None when the engine could not start
+    error: str = ""
+
+
+@dataclass(slots=True)
+class Answer:
+    request_id: int
+    error: str = ""                 # empty: added; else why it was refused
+    kind: str = ""                  # the refusal's exception class: ValueError is the caller's fault
 
 
 @dataclass(slots=True)

@@ -42,9 +42,9 @@ def python_executable() -> str:
 
 @dataclass(slots=True)
 class _Answer:
-    """The child's answer to one Add: set once, with the Refused message or None."""
+    """The child's answer to one Add, once it came."""
     done: threading.Event = field(default_factory=threading.Event)
-    refusal: m.Refused | None = None
+    answer: m.Answer | None = None
 
 
 class ProcessEngine(EngineClient):
@@ -62,12 +62,12 @@ class ProcessEngine(EngineClient):
         self.conn = Connection(ours.detach())
         self.conn.send(m.Start(config))
         try:
-            answer = self.conn.recv()
+            started: m.Started = self.conn.recv()
         except EOFError:
-            answer = m.Failed(f"exited with code {self.proc.wait()}")
-        if not isinstance(answer, m.Ready):
-            raise RuntimeError(f"engine process: {answer.message}")
-        self.config: EngineConfig = answer.config
+            started = m.Started(None, f"exited with code {self.proc.wait()}")
+        if started.config is None:
+            raise RuntimeError(f"engine process: {started.error}")
+        self.config: EngineConfig = started.config
         self.metrics = Metrics()                    # the child's, as of its last snapshot
         self.streams: dict[int, Push] = {}
         self.waiting: dict[int, _Answer] = {}       # submits awaiting the child's validation
@@ -87,18 +87,16 @@ class ProcessEngine(EngineClient):
         if not self.running:
             raise RuntimeError("engine: the engine process is not running")
         rid = next(self.ids) if request_id is None else request_id
-        answer = self.waiting[rid] = _Answer()
+        pending = self.waiting[rid] = _Answer()
         self.streams[rid] = push
         self._send(m.Add(rid, prompt, params))
-        while not answer.done.wait(1.0):
-            if not self.reader.is_alive():              # the child died before the reader could answer this one
-                answer.refusal = m.Refused(rid, "RuntimeError", "engine: the engine process exited")
-                break
+        while not pending.done.wait(1.0) and self.reader.is_alive():
+            pass                                        # a child that dies before answering: the reader is gone
         del self.waiting[rid]
-        if answer.refusal is not None:
+        answer = pending.answer or m.Answer(rid, "engine: the engine process exited", "RuntimeError")
+        if answer.error:
             self.streams.pop(rid, None)
-            error = ValueError if answer.refusal.kind == "ValueError" else RuntimeError
-            raise error(answer.refusal.message)
+            raise (ValueError if answer.kind == "ValueError" else RuntimeError)(answer.error)
         return rid
 
     def abort(self, request_id: int) -> None:
@@ -137,11 +135,11 @@ class ProcessEngine(EngineClient):
                     self.metrics.apply(snapshot)
                 case m.Log(level=level, text=text):
                     log.log(level, "%s", text)
-                case m.Added(request_id=rid) | m.Refused(request_id=rid):
-                    answer = self.waiting.get(rid)
-                    if answer is not None:
-                        answer.refusal = message if isinstance(message, m.Refused) else None
-                        answer.done.set()
+                case m.Answer(request_id=rid):
+                    pending = self.waiting.get(rid)
+                    if pending is not None:
+                        pending.answer = message
+                        pending.done.set()
         self._child_gone()
 
     def _child_gone(self) -> None:
@@ -150,9 +148,8 @@ class ProcessEngine(EngineClient):
             code = self.proc.wait(5)
         except subprocess.TimeoutExpired:
             code = None
-        for rid, answer in list(self.waiting.items()):
-            answer.refusal = m.Refused(rid, "RuntimeError", "engine: the engine process exited")
-            answer.done.set()
+        for pending in list(self.waiting.values()):
+            pending.done.set()                      # no answer: the submit raises "the engine process exited"
         for rid, push in list(self.streams.items()):
             del self.streams[rid]
             push(Delta(rid, [], "", True, "error", f"engine: the engine process exited (code {code})"))
@@ -185,9 +182,9 @@ def serve(conn: Connection) -> None:
     try:
         engine = ThreadedEngine(start.config)
     except Exception as e:
-        send(m.Failed(f"{type(e).__name__}: {e}"))
+        send(m.Started(None, f"{type(e).__name__}: {e}"))
         return
-    send(m.Ready(engine.config))
+    send(m.Started(engine.config))
     metrics, last = engine.metrics, [time.monotonic()]
 
     def push(d: Delta) -> None:
@@ -207,9 +204,9 @@ def serve(conn: Connection) -> None:
                 try:
                     engine.submit(prompt, params, push, request_id=rid)
                 except (ValueError, RuntimeError) as e:
-                    send(m.Refused(rid, type(e).__name__, str(e)))
+                    send(m.Answer(rid, str(e), type(e).__name__))
                 else:
-                    send(m.Added(rid))
+                    send(m.Answer(rid))
             case m.Abort(request_id=rid):
                 engine.abort(rid)
             case m.Stop():

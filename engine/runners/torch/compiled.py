@@ -24,7 +24,8 @@ class CompiledDecode:
         if k_cache.device.type == "cpu":
             # Freezing makes the weights constants of the graph, prepacked for oneDNN. That costs a second copy of
             # the weights and buys a GEMV that reads them faster than eager F.linear does. It is inductor's global
-            # switch (as a per-compile option it measured slower than no freezing), so it holds for the process.
+            # switch (the per-compile option did not buy the same; README, "CPU decode kernels"), so it holds for
+            # the process.
             inductor_config.freezing = True
         self.fn = torch.compile(self.step, dynamic=True, fullgraph=True)
 
