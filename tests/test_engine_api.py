@@ -105,3 +105,23 @@ def test_default_model_is_made_once(monkeypatch, tmp_path):
     assert path.stat().st_mtime_ns == stamp
     params = greedy(5, ignore_eos=False)
     assert first.generate("hello", params)[0].token_ids == second.generate("hello", params)[0].token_ids
+
+
+def test_deltas_leave_only_through_on_delta(tiny_dir):
+    import pickle
+
+    from engine.config import EngineConfig
+    from engine.core.engine import Engine
+    from engine.core.output import Delta
+    engine = Engine(EngineConfig(model=tiny_dir, dtype="float32"))
+    engine.add(engine.make_request("hello", greedy(3)))
+    with pytest.raises(RuntimeError, match="set on_delta"):
+        while engine.has_work:
+            engine.step()
+    got: list[Delta] = []
+    engine.on_delta = got.append
+    engine.add(engine.make_request("hello", greedy(3)))
+    while engine.has_work:
+        assert engine.step() is None
+    assert got[-1].finished and sum(len(d.token_ids) for d in got if d.request_id == got[-1].request_id) == 3
+    assert pickle.loads(pickle.dumps(got[-1])) == got[-1]       # the form it crosses the process boundary in

@@ -110,3 +110,14 @@ def test_submit_pushes_deltas_on_the_engine_thread_and_forgets_finished_streams(
     assert rid not in engine.streams
     with pytest.raises(ValueError, match="input_ids"):
         engine.submit([10 ** 9], greedy(2), got.put)
+
+
+def test_make_client_places_the_step_loop(tiny_dir):
+    from engine.serving.client import EngineClient, make_client
+    from engine.serving.threaded import ThreadedEngine
+    client = make_client(EngineConfig(model=tiny_dir, dtype="float32", engine_process=False))
+    try:
+        assert isinstance(client, ThreadedEngine) and isinstance(client, EngineClient)
+        assert client.config.model == tiny_dir and client.metrics is client.engine.metrics
+    finally:
+        client.shutdown()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from engine.config import EngineConfig
 from engine.core.output import Delta
@@ -19,6 +19,7 @@ from engine.tokenizer import Tokenizer
 Push = Callable[[Delta], None]
 
 
+@runtime_checkable
 class EngineClient(Protocol):
     config: EngineConfig            # with the model resolved
     metrics: Metrics                # current as of each final delta
