@@ -8,13 +8,14 @@ import sys
 import time
 
 from engine.config import EngineConfig, ServeConfig, add_flags, from_flags
+from engine.models.presets import PRESETS
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine")
     sub = parser.add_subparsers(dest="cmd", required=True)
     mk = sub.add_parser("make-model", help="write a seeded random Qwen2 checkpoint in Hugging Face layout")
-    mk.add_argument("--preset", required=True, choices=["tiny", "tiny-odd", "small", "qwen2.5-0.5b"])
+    mk.add_argument("--preset", required=True, choices=sorted(PRESETS))
     mk.add_argument("--out", required=True)
     mk.add_argument("--seed", type=int, default=0)
     gen = sub.add_parser("generate", help="stream a completion for one prompt")

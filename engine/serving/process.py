@@ -41,7 +41,7 @@ def python_executable() -> str:
 
 
 @dataclass(slots=True)
-class _Answer:
+class _Pending:
     """The child's answer to one Add, once it came."""
     done: threading.Event = field(default_factory=threading.Event)
     answer: m.Answer | None = None
@@ -70,7 +70,7 @@ class ProcessEngine(EngineClient):
         self.config: EngineConfig = started.config
         self.metrics = Metrics()                    # the child's, as of its last snapshot
         self.streams: dict[int, Push] = {}
-        self.waiting: dict[int, _Answer] = {}       # submits awaiting the child's validation
+        self.waiting: dict[int, _Pending] = {}       # submits awaiting the child's validation
         self.ids = itertools.count()
         self.send_lock = threading.Lock()
         self.running = True
@@ -87,7 +87,7 @@ class ProcessEngine(EngineClient):
         if not self.running:
             raise RuntimeError("engine: the engine process is not running")
         rid = next(self.ids) if request_id is None else request_id
-        pending = self.waiting[rid] = _Answer()
+        pending = self.waiting[rid] = _Pending()
         self.streams[rid] = push
         self._send(m.Add(rid, prompt, params))
         while not pending.done.wait(1.0) and self.reader.is_alive():
