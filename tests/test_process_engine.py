@@ -1,5 +1,5 @@
-"""ProcessEngine: the step loop in a child process, behind ThreadedEngine's submit / abort / generate. Its streams match
-the in-process engine's; bad input is refused before streaming; an abort frees the child's KV; metrics and log lines
+"""ProcessEngine: the step loop in a child process, behind the EngineClient protocol. Its streams match the
+in-process engine's; bad input is refused before streaming; an abort frees the child's KV; metrics and log lines
 come across; a child that dies or is shut down ends every stream with an error."""
 from __future__ import annotations
 

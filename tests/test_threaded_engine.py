@@ -1,4 +1,5 @@
-"""The asyncio streaming engine every front end uses: streams, cancellation, failed steps."""
+"""ThreadedEngine, the step loop on a thread behind the EngineClient protocol: streams, cancellation, failed
+steps."""
 from __future__ import annotations
 
 import asyncio

@@ -201,7 +201,7 @@ class Engine:
         p = req.params
         if len(req.output_ids) + req.in_flight >= p.min_tokens:
             return ()
-        return tuple(set(p.stop_token_ids) | set(self.runner.eos_token_ids))
+        return tuple(set(p.stop_token_ids) | self.output.eos_token_ids)
 
     # ---- tokens out ----
     def _commit(self, req: Request, token: int) -> None:
