@@ -90,6 +90,11 @@ class ServeConfig:
         validate(self)
 
 
+def choices(cls: type, name: str) -> tuple[str, ...]:
+    """The allowed values of one field, for code that checks them outside the dataclass."""
+    return next(f for f in fields(cls) if f.name == name).metadata["choices"]
+
+
 def validate(config: Any) -> None:
     for f in fields(config):
         value, meta = getattr(config, f.name), f.metadata

@@ -7,6 +7,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
+from engine.config import EngineConfig, choices
+
 CALLS: Counter[str] = Counter()       # steps served per implementation: which one ran
 
 
@@ -22,6 +24,9 @@ class KernelOps:
 def select(choice: str, device_type: str, dtype: str = "", threads: int = 1) -> KernelOps:
     """choice auto | triton | reference | cpu; auto takes Triton on CUDA when it imports, the CPU kernel for fp32 on
     a CPU when it builds, else the reference ops."""
+    allowed = choices(EngineConfig, "attention")
+    if choice not in allowed:
+        raise ValueError(f"attention: must be one of {', '.join(allowed)}, got {choice!r}")
     if choice == "triton" or (choice == "auto" and device_type == "cuda"):
         try:
             from engine.kernels import triton_decode, triton_kv, triton_prefill
