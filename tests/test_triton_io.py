@@ -49,10 +49,12 @@ def test_engine_errors_use_triton_names():
 
 
 def test_outputs():
-    out = triton_io.outputs("hé", [5, 6], ["finish_reason", "cached_tokens"], "stop", 10, 2, 8)
+    out = triton_io.outputs("hé", [5, 6], ["finish_reason", "cached_tokens"], "stop", 10, 8)
     assert out["text_output"][0].decode() == "hé" and out["output_ids"].dtype == np.int32
     assert out["finish_reason"][0] == b"stop" and out["cached_tokens"].tolist() == [8]
     assert "num_input_tokens" not in out
+    counted = triton_io.outputs("x", [5, 6, 7], ["num_output_tokens", "num_input_tokens"], None, 10, 0)
+    assert counted["num_output_tokens"].tolist() == [3] and counted["num_input_tokens"].tolist() == [10]
 
 
 class FakeMetric:

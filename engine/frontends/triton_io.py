@@ -90,14 +90,15 @@ def error_message(message: str) -> str:
 
 
 def outputs(text: str, ids: list[int], extras: list[str], finish_reason: str | None, num_input: int,
-            num_output: int, cached: int) -> dict[str, np.ndarray]:
+            cached: int) -> dict[str, np.ndarray]:
     """Output tensors of one response. The return_* extras ride on every response: finish_reason is empty
-    until the last one, num_output_tokens counts the tokens so far."""
+    until the last one; num_output_tokens counts the tokens in this response, as vllm_backend defines it (the
+    growth of the output since the previous response), so a client that sums them gets the total."""
     out = {"text_output": np.array([text.encode("utf-8")], dtype=np.object_),
            "output_ids": np.array(ids, dtype=np.int32)}
     values = {"finish_reason": lambda: np.array([(finish_reason or "").encode()], dtype=np.object_),
               "num_input_tokens": lambda: np.array([num_input], dtype=np.uint32),
-              "num_output_tokens": lambda: np.array([num_output], dtype=np.uint32),
+              "num_output_tokens": lambda: np.array([len(ids)], dtype=np.uint32),
               "cached_tokens": lambda: np.array([cached], dtype=np.uint32)}
     out.update({name: values[name]() for name in extras})
     return out

@@ -173,7 +173,7 @@ class TritonPythonModel:
             text = (stream.req.prompt if stream.req.prepend_input else "") + "".join(stream.text)
             ids = stream.ids
         arrays = triton_io.outputs(text, ids, stream.req.extras, d.finish_reason, d.num_prompt_tokens,
-                                   d.num_output_tokens, d.cached_tokens)
+                                   d.cached_tokens)
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in arrays.items()])
 
     def _send(self, stream: Stream, response, flags: int) -> None:
