@@ -119,7 +119,7 @@ OPENAI_CASES = [
     ("top-p-above-one", {"model": "tiny0", "prompt": "hi", "top_p": 1.5}, "top_p", 400),
     ("seed-negative", {"model": "tiny0", "prompt": "hi", "seed": -4}, "seed", 400),
     ("stop-a-number", {"model": "tiny0", "prompt": "hi", "stop": 5}, "stop", 400),
-    ("unknown-field", {"model": "tiny0", "prompt": "hi", "bogus": 1}, "bogus", 400),
+    ("known-not-honoured", {"model": "tiny0", "prompt": "hi", "presence_penalty": 0.5}, "presence_penalty", 400),
     ("body-too-large", {"model": "tiny0", "prompt": "x" * 70_000}, "body", 413),
 ]
 CHAT_CASES = [

@@ -13,15 +13,20 @@ import pytest
 from client.metrics import scrape
 from client.stream import stream_openai
 from engine import LLM, SamplingParams
-from tests.helpers import post, random_ids
+from tests.helpers import post, random_ids, wait_until
 from tests.helpers import start_openai as start
 
 PROMPT = random_ids(70, seed=11)
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dir, tmp_path_factory):
-    proc, url = start(tiny_dir, tmp_path_factory.mktemp("openai") / "server.log")
+def server_log(tmp_path_factory):
+    return tmp_path_factory.mktemp("openai") / "server.log"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, server_log):
+    proc, url = start(tiny_dir, server_log)
     yield url
     proc.terminate()
     assert proc.wait(30) in (0, -signal.SIGTERM)     # uvicorn re-raises SIGTERM after its graceful shutdown
@@ -83,6 +88,27 @@ def test_chat_completions(server):
     assert chunks[-1]["usage"]["completion_tokens"] == 5 and chunks[-1]["choices"] == []
 
 
+def test_unknown_fields_are_ignored_with_one_log_line(server, server_log):
+    """As vLLM's server: routers and SDKs add fields (vllm-router sends no_stop_trim); a known field whose value
+    asks for nothing is accepted too."""
+    body = {"model": "tiny0", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    _, plain = post(server, "/v1/completions", body)
+    status, out = post(server, "/v1/completions", {**body, "no_stop_trim": True, "zz_extra": {"a": 1},
+                                                   "presence_penalty": 0, "logprobs": None})
+    assert status == 200 and out["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+    wait_until(lambda: "ignored fields the server does not know: no_stop_trim, zz_extra" in server_log.read_text(),
+               "the log line naming the ignored fields")
+
+
+def test_echo_prepends_the_prompt(server):
+    body = {"model": "tiny0", "prompt": "hello there", "max_tokens": 4, "temperature": 0}
+    _, plain = post(server, "/v1/completions", body)
+    _, echoed = post(server, "/v1/completions", {**body, "echo": True})
+    assert echoed["choices"][0]["text"] == "hello there" + plain["choices"][0]["text"]
+    r = stream_openai(server, "tiny0", "hello there", {"max_tokens": 4, "temperature": 0, "echo": True})
+    assert r.text == echoed["choices"][0]["text"]
+
+
 def test_models_health_metrics(server):
     models = json.loads(urllib.request.urlopen(f"http://{server}/v1/models").read())
     assert [m["id"] for m in models["data"]] == ["tiny0"]
@@ -97,7 +123,8 @@ def test_models_health_metrics(server):
     ({"model": "tiny0", "prompt": ""}, "prompt"),
     ({"model": "tiny0", "prompt": [1, 99999]}, "input_ids"),
     ({"model": "tiny0"}, "prompt"),
-    ({"model": "tiny0", "prompt": "hi", "bogus": 1}, "bogus"),
+    ({"model": "tiny0", "prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"model": "tiny0", "prompt": "hi", "logprobs": 2}, "logprobs"),
 ])
 def test_bad_requests_are_400_naming_the_field(server, body, field):
     status, out = post(server, "/v1/completions", body)

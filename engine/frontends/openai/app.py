@@ -75,6 +75,8 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
         except ValueError as e:
             message = str(e)
             return error(400, message, message.split(":", 1)[0])
+        if not chat and body.echo:             # completions: the prompt's text leads the first choice's text
+            first.text = (prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt)) + first.text
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if body.stream:
             return StreamingResponse(sse(rid, kind, body, first, stream, chat), media_type="text/event-stream")

@@ -1,11 +1,28 @@
-"""OpenAI request bodies (pydantic) and their translation to SamplingParams; extensions as vLLM names them."""
+"""OpenAI request bodies (pydantic) and their translation to SamplingParams; extensions as vLLM names them.
+
+As vLLM's server does, a field this server does not know is accepted and ignored, with one log line naming it
+(routers and SDKs add their own). A field it knows but does not honour yet is refused, naming it, unless its value
+asks for nothing (a penalty of 0, `logprobs` false): a client is never answered as if it had been honoured.
+"""
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.core.sampling import SamplingParams
+
+log = logging.getLogger("pagoda")
+# known, not honoured yet -> the values that ask for nothing
+NOT_YET: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "prompt_logprobs": (None,),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
+    "min_p": (None, 0), "logit_bias": (None, {}), "bad_words": (None, []), "best_of": (None, 1),
+    "response_format": (None, {"type": "text"}), "structured_outputs": (None,), "guided_json": (None,),
+    "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "suffix": (None, ""),
+    "tools": (None, []), "tool_choice": (None, "none"),
+}
 
 
 class StreamOptions(BaseModel):
@@ -13,7 +30,7 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
     model: str
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -28,8 +45,23 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = 1
     user: str | None = None
+    not_yet: dict[str, Any] = Field(default_factory=dict, exclude=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sort_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        unknown = sorted(k for k in data if k not in cls.model_fields and k not in NOT_YET)
+        if unknown:
+            log.info("openai: ignored fields the server does not know: %s", ", ".join(unknown))
+        asked = {k: v for k, v in data.items() if k in NOT_YET and v not in NOT_YET[k]}
+        return {**{k: v for k, v in data.items() if k not in NOT_YET}, "not_yet": asked}
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
+        if self.not_yet:
+            name = next(iter(self.not_yet))
+            raise ValueError(f"{name}: not supported by this server yet, got {self.not_yet[name]!r}")
         if self.n != 1:
             raise ValueError(f"n: only 1 is supported, got {self.n}")
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
