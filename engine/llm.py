@@ -6,7 +6,7 @@ from typing import Any
 
 from engine.config import EngineConfig, from_kwargs
 from engine.core.engine import Engine
-from engine.core.output import Delta
+from engine.core.output import Delta, PositionLogprobs
 from engine.core.sampling import SamplingParams
 
 Prompt = str | list[int]
@@ -22,6 +22,8 @@ class RequestOutput:
     num_prompt_tokens: int
     cached_tokens: int
     error: str | None = None
+    logprobs: list[PositionLogprobs] | None = None     # per generated token, when params.logprobs is set
+    cumulative_logprob: float | None = None
 
 
 class LLM:
@@ -54,4 +56,5 @@ class LLM:
             engine.step()
         finals = [self.finals.pop(r.id) for r in reqs]
         return [RequestOutput(r.id, r.prompt_ids, r.output_ids, r.text, r.finish_reason, len(r.prompt_ids),
-                              d.cached_tokens, r.error) for r, d in zip(reqs, finals)]
+                              d.cached_tokens, r.error, r.logprobs,
+                              None if r.logprobs is None else r.cumulative_logprob) for r, d in zip(reqs, finals)]

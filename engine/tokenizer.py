@@ -23,6 +23,10 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
+    def token_text(self, token: int) -> str:
+        """One token's text, special tokens included (logprobs' decoded_token)."""
+        return self.tok.decode([token], skip_special_tokens=False)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise ValueError("messages: this model's tokenizer_config.json has no chat_template")

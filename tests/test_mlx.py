@@ -76,6 +76,20 @@ def test_greedy_tokens_and_cache_hits_match_torch(model_dir, torch_reference, st
         assert run(dense_torch, batch)[1] == hit_cached
 
 
+@pytest.mark.parametrize("storage", ["paged", "dense"])
+def test_logprobs_match_torch(model_dir, storage):
+    prompts = [random_ids(30, seed=12), random_ids(18, seed=13)]
+    params = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3),
+              SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)]
+    want = LLM(model=model_dir, dtype="float32", kv_storage=storage).generate(prompts, params)
+    got = LLM(model=model_dir, runner="mlx", dtype="float32", kv_storage=storage).generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want] and got[1].logprobs is None
+    for g, w in zip(got[0].logprobs, want[0].logprobs):
+        assert list(g) == list(w) and all(g[t].rank == w[t].rank for t in g)
+        assert all(g[t].logprob == pytest.approx(w[t].logprob, abs=1e-4) for t in g)
+    assert got[0].cumulative_logprob == pytest.approx(want[0].cumulative_logprob, abs=1e-3)
+
+
 def test_sampling_is_seeded_and_respects_top_k(tiny_dir):
     llm = LLM(model=tiny_dir, runner="mlx", dtype="float32")
     p = SamplingParams(max_tokens=15, temperature=0.8, top_k=5, top_p=0.9, seed=3, ignore_eos=True)

@@ -20,7 +20,7 @@ from engine.kv.dense import DenseKV
 from engine.kv.paged import PagedKV, cdiv, contiguity
 from engine.kv.prefix_cache import PrefixCache
 from engine.runners import make_runner
-from engine.runners.base import ModelRunner, Row
+from engine.runners.base import ModelRunner, Row, TokenLogprobs
 from engine.serving.metrics import Metrics
 from engine.tokenizer import Tokenizer
 
@@ -41,7 +41,7 @@ class Engine:
         self.max_model_len = min(config.max_model_len or runner.max_model_len, runner.max_model_len)
         self.metrics = Metrics()
         self.recorder = Recorder(self.metrics, config.prompt_cache)
-        self.output = Output(runner.eos_token_ids, self.max_model_len)
+        self.output = Output(runner.eos_token_ids, self.max_model_len, self.tokenizer)
         self.pool: BlockPool | None = None
         self.kv: KVStorage = self._storage()
         self.scheduler = Scheduler(config, self.kv)
@@ -153,12 +153,13 @@ class Engine:
                             block_table=req.block_table, buf=req.buf, params=req.params, ban=self._ban(req),
                             sample=end == req.prefill_target and not req.output_ids))
             req.num_allocated = end
-        tokens = self.runner.fetch(self.runner.forward(rows, None))
-        for (req, _), row, token in zip(plan, rows, tokens):
+        sampled = self.runner.fetch(self.runner.forward(rows, None))
+        logprobs = sampled.logprobs or [None] * len(rows)
+        for (req, _), row, token, lp in zip(plan, rows, sampled.tokens, logprobs):
             req.num_computed = req.num_allocated
             self.kv.commit(req)
             if row.sample:
-                self._append(req, token)
+                self._append(req, token, lp)
 
     def _decode(self) -> None:
         started = time.thread_time()
@@ -166,8 +167,8 @@ class Engine:
         before = self.lookahead.pipelined
         results = self.lookahead.tick(batch, self._decode_row)
         self.recorder.decode_tick(batch, time.thread_time() - started, self.lookahead.pipelined - before)
-        for req, token in results:
-            self._commit(req, token)
+        for req, token, lp in results:
+            self._commit(req, token, lp)
 
     def _wants_step(self, req: Request) -> bool:
         ahead = len(req.output_ids) + req.in_flight
@@ -181,8 +182,8 @@ class Engine:
             if all(self.kv.grow(r, r.num_allocated + 1) for r in batch):
                 return batch
             if not drained:
-                for req, token in self.lookahead.drain():
-                    self._commit(req, token)
+                for req, token, lp in self.lookahead.drain():
+                    self._commit(req, token, lp)
                 drained = True
             elif len(self.scheduler.running) == 1:
                 self._finish(self.scheduler.running[0], "error", "kv cache: the sequence outgrew the whole block pool")
@@ -204,16 +205,16 @@ class Engine:
         return tuple(set(p.stop_token_ids) | self.output.eos_token_ids)
 
     # ---- tokens out ----
-    def _commit(self, req: Request, token: int) -> None:
+    def _commit(self, req: Request, token: int, lp: TokenLogprobs | None) -> None:
         self.kv.commit(req)
         if req.cancelled:
             self._finish(req, "abort")
         else:
-            self._append(req, token)
+            self._append(req, token, lp)
 
-    def _append(self, req: Request, token: int) -> None:
+    def _append(self, req: Request, token: int, lp: TokenLogprobs | None) -> None:
         self.recorder.token(req)
-        reason = self.output.append(req, token)
+        reason = self.output.append(req, token, lp)
         if reason:
             self._finish(req, reason)
         else:

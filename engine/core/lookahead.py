@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.core.request import Request, Status
-from engine.runners.base import ModelRunner, Row
+from engine.runners.base import ModelRunner, Row, TokenLogprobs
+
+Result = tuple[Request, int, TokenLogprobs | None]       # a request, its sampled token, the token's logprobs
 
 
 @dataclass(slots=True)
@@ -30,8 +32,8 @@ class Lookahead:
         self.pipelined = 0      # ticks that launched while the previous step was in flight
         self.unwinds = 0
 
-    def tick(self, batch: list[Request], make_row: Callable[[Request, int], Row]) -> list[tuple[Request, int]]:
-        """Launch a decode step for `batch`; return the (request, token) pairs read back this tick."""
+    def tick(self, batch: list[Request], make_row: Callable[[Request, int], Row]) -> list[Result]:
+        """Launch a decode step for `batch`; return the results read back this tick."""
         prev = self.inflight
         launched = None
         if batch:
@@ -48,7 +50,7 @@ class Lookahead:
         self.state = "idle" if launched is None else ("steady" if prev else "primed")
         return self._read(prev)
 
-    def drain(self) -> list[tuple[Request, int]]:
+    def drain(self) -> list[Result]:
         prev, self.inflight, self.state = self.inflight, None, "idle"
         return self._read(prev)
 
@@ -65,12 +67,14 @@ class Lookahead:
         self.unwinds += 1
         return True
 
-    def _read(self, step: InFlight | None) -> list[tuple[Request, int]]:
+    def _read(self, step: InFlight | None) -> list[Result]:
         if step is None:
             return []
+        sampled = self.runner.fetch(step.handle)
+        logprobs = sampled.logprobs or [None] * len(sampled.tokens)
         out = []
-        for req, token in zip(step.reqs, self.runner.fetch(step.handle)):
+        for req, token, lp in zip(step.reqs, sampled.tokens, logprobs):
             if req.status is Status.RUNNING and req.num_allocated > req.num_computed:
                 req.num_computed += 1
-                out.append((req, token))
+                out.append((req, token, lp))
         return out

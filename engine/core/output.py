@@ -4,6 +4,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.core.request import Request
+from engine.runners.base import TokenLogprobs
+from engine.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class Logprob:
+    """vLLM's shape: one token's logprob, its rank among all tokens (1 = the most likely), its text."""
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PositionLogprobs = dict[int, Logprob]          # token id -> Logprob: the sampled token and the top ones
 
 
 @dataclass(slots=True)
@@ -18,24 +31,31 @@ class Delta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     cached_tokens: int = 0
+    logprobs: list[PositionLogprobs] | None = None     # one per token in token_ids, when asked for
+    cumulative_logprob: float | None = None            # over all tokens so far, when logprobs were asked for
 
     def __reduce__(self):
         # Pickled per token across the process boundary: positional fields, not a slot-state dict.
         return Delta, (self.request_id, self.token_ids, self.text, self.finished, self.finish_reason, self.error,
-                       self.num_prompt_tokens, self.num_output_tokens, self.cached_tokens)
+                       self.num_prompt_tokens, self.num_output_tokens, self.cached_tokens, self.logprobs,
+                       self.cumulative_logprob)
 
 
 class Output:
     """Detokenizes, applies stop tokens, stop strings and length limits, and cuts deltas. Text that could still
     become a stop string is held back until it cannot."""
 
-    def __init__(self, eos_token_ids: list[int], max_model_len: int) -> None:
+    def __init__(self, eos_token_ids: list[int], max_model_len: int, tokenizer: Tokenizer) -> None:
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
 
-    def append(self, req: Request, token: int) -> str | None:
-        """Add a sampled token to the request; returns its finish reason, or None while it goes on."""
+    def append(self, req: Request, token: int, lp: TokenLogprobs | None = None) -> str | None:
+        """Add a sampled token (and its logprobs, when the request asked) to the request; returns its finish
+        reason, or None while it goes on."""
         req.output_ids.append(token)
+        if lp is not None:
+            self._add_logprobs(req, token, lp)
         p, n = req.params, len(req.output_ids)
         if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
             return "stop"
@@ -55,8 +75,19 @@ class Output:
             end = max(req.sent_text, end - max(len(s) for s in req.params.stop) + 1)
         delta = Delta(req.id, req.output_ids[req.sent_ids:], req.text[req.sent_text:end], final, req.finish_reason,
                       req.error, len(req.prompt_ids), len(req.output_ids), max(req.num_cached, 0))
+        if req.logprobs is not None:
+            delta.logprobs, delta.cumulative_logprob = req.logprobs[req.sent_ids:], req.cumulative_logprob
         req.sent_ids, req.sent_text = len(req.output_ids), end
         return delta
+
+    def _add_logprobs(self, req: Request, token: int, lp: TokenLogprobs) -> None:
+        text = self.tokenizer.token_text
+        position = {t: Logprob(v, rank, text(t)) for rank, (t, v) in enumerate(lp.top, start=1)}
+        position.setdefault(token, Logprob(lp.logprob, lp.rank, text(token)))
+        if req.logprobs is None:
+            req.logprobs = []
+        req.logprobs.append(position)
+        req.cumulative_logprob += lp.logprob
 
     @staticmethod
     def _cut_at_stop(req: Request, added: int) -> bool:

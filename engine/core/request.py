@@ -36,6 +36,8 @@ class Request:
     sent_text: int = 0                    # chars of `text` already streamed
     sent_ids: int = 0                     # output ids already streamed
     detok: object | None = None
+    logprobs: list | None = None          # per output position {token id: Logprob}, when params.logprobs is set
+    cumulative_logprob: float = 0.0       # the sum of the sampled tokens' logprobs
     # timings (monotonic seconds)
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float = 0.0

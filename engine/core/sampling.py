@@ -17,6 +17,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None       # the sampled token's logprob and this many top ones per position (0-20)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,6 +50,10 @@ class SamplingParams:
             _int("stop_token_ids", t, low=0)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos: must be a boolean, got {self.ignore_eos!r}")
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs, low=0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise ValueError(f"logprobs: must be <= {MAX_LOGPROBS}, got {self.logprobs}")
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "SamplingParams":
@@ -72,13 +77,14 @@ class SamplingParams:
         return cls(**kwargs)
 
 
-_INTS = {"max_tokens", "min_tokens", "top_k", "seed"}
+MAX_LOGPROBS = 20
+_INTS = {"max_tokens", "min_tokens", "top_k", "seed", "logprobs"}
 _FLOATS = {"temperature", "top_p"}
 
 
 def _coerce(key: str, value: Any) -> Any:
     if value is None:
-        return None if key == "seed" else _fail(key, value, "a value")
+        return None if key in ("seed", "logprobs") else _fail(key, value, "a value")
     if key in _INTS and isinstance(value, str):
         try:
             return int(value.strip())

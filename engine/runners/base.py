@@ -26,6 +26,33 @@ class Row:
         return len(self.tokens) or 1
 
 
+@dataclass(slots=True)
+class TokenLogprobs:
+    """One sampled position: the sampled token's logprob and rank (1 = the most likely), and the top tokens as
+    (id, logprob), most likely first."""
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class Sampled:
+    """A step's results, read back: one token per row (-1 where a row did not sample) and, when any row asked
+    for them, each row's logprobs (None for rows that did not ask)."""
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None
+
+
+def read_logprobs(n_rows: int, rows: list[int], ks: list[int], values: list[list[float]],
+                  ids: list[list[int]]) -> list[TokenLogprobs | None]:
+    """Per row of a step, from the read-back [n, 1 + k] tables of the rows that asked: values hold the sampled
+    token's logprob then the top k logprobs, ids the sampled token's rank then the top k ids."""
+    out: list[TokenLogprobs | None] = [None] * n_rows
+    for row, k, v, i in zip(rows, ks, values, ids):
+        out[row] = TokenLogprobs(v[0], i[0], list(zip(i[1:1 + k], v[1:1 + k])))
+    return out
+
+
 class ModelRunner(Protocol):
     vocab_size: int
     max_model_len: int
@@ -36,8 +63,8 @@ class ModelRunner(Protocol):
     def init_paged(self, num_blocks: int, block_size: int) -> None: ...
     def forward(self, rows: list[Row], prev: Any | None) -> Any:
         """Launch one step; returns a handle whose sampled tokens stay on the device until `fetch`."""
-    def fetch(self, handle: Any) -> list[int]:
-        """Read a step's sampled tokens (-1 for rows that did not sample)."""
+    def fetch(self, handle: Any) -> Sampled:
+        """Read a step's sampled tokens and the logprobs its rows asked for."""
     def release(self, seq: int) -> None: ...
     def dense_alloc(self, capacity: int) -> int: ...
     def dense_resize(self, buf: int, capacity: int) -> None: ...

@@ -10,13 +10,16 @@ import mlx.core as mx
 
 from engine.core.sampling import SamplingParams
 from engine.models.qwen2_mlx import load_mlx
-from engine.runners.base import Geometry, Row, flatten, in_order
+from engine.runners.base import Geometry, Row, Sampled, flatten, in_order
 from engine.runners.mlx import attention as mlx_attention
+from engine.runners.mlx import logprobs
+from engine.runners.mlx.logprobs import ArrayLogprobs
 
 
 @dataclass(slots=True)
 class Step:
     tokens: mx.array      # [rows] int32, -1 where a row did not sample
+    logprobs: ArrayLogprobs | None = None     # of the rows that asked
 
 
 class MLXRunner:
@@ -70,7 +73,9 @@ class MLXRunner:
     def release(self, seq: int) -> None:
         self.keys.pop(seq, None)
 
-    def _sample(self, logits: mx.array, rows: list[Row]) -> mx.array:
+    def _sample(self, logits: mx.array, rows: list[Row]) -> tuple[mx.array, ArrayLogprobs | None]:
+        asked = logprobs.wanted(rows)
+        raw = logprobs.raw(logits, asked) if asked else None         # before the bans below
         for i, row in enumerate(rows):
             if row.ban:
                 logits[i, mx.array(row.ban)] = -mx.inf
@@ -78,7 +83,9 @@ class MLXRunner:
         for i, row in enumerate(rows):
             if row.params is not None and not row.params.greedy:
                 tokens[i] = self._sample_one(logits[i], row.params, row.seq)
-        return tokens
+        if raw is None:
+            return tokens, None
+        return tokens, logprobs.pick(raw, tokens[mx.array(asked)], asked, [rows[i].params.logprobs for i in asked])
 
     def _sample_one(self, logits: mx.array, p: SamplingParams, seq: int) -> mx.array:
         key = self.keys.get(seq)
@@ -122,21 +129,25 @@ class MLXRunner:
             hidden = self.model.forward(ids_a, mx.array(positions), attn)
             self.tokens_computed += len(ids)
             picked = [i for i, r in enumerate(rows) if r.sample]
+            found = None
             if len(picked) == len(rows):            # every decode step: no scatter into a -1 filled array
                 last_hidden = hidden if len(ids) == len(rows) else hidden[mx.array(last)]
-                tokens = self._sample(self.model.logits(last_hidden), rows)
+                tokens, found = self._sample(self.model.logits(last_hidden), rows)
             else:
                 tokens = mx.full((len(rows),), -1, dtype=mx.int32)
                 if picked:
                     logits = self.model.logits(hidden[mx.array([last[i] for i in picked])])
-                    tokens[mx.array(picked)] = self._sample(logits, [rows[i] for i in picked])
+                    tokens[mx.array(picked)], found = self._sample(logits, [rows[i] for i in picked])
+                    found = found and found.remap(picked)
             if prev is not None:
                 # The graph above is built while the previous step runs. Dispatch waits for it: until its work
                 # is done it still holds the cache buffers, and the scatters would copy each whole cache instead
                 # of writing in place. Its tokens stay on the device.
                 mx.eval(prev.tokens)
-            mx.async_eval(tokens, *self.k_cache, *self.v_cache)
-        return Step(tokens)
+            extra = (found.values, found.ids) if found else ()
+            mx.async_eval(tokens, *extra, *self.k_cache, *self.v_cache)
+        return Step(tokens, found)
 
-    def fetch(self, step: Step) -> list[int]:
-        return step.tokens.tolist()
+    def fetch(self, step: Step) -> Sampled:
+        tokens = step.tokens.tolist()
+        return Sampled(tokens, step.logprobs and step.logprobs.read(len(tokens)))

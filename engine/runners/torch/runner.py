@@ -10,9 +10,11 @@ import torch
 from engine import kernels
 from engine.kernels import cpu_gemv, cpu_pointwise
 from engine.models.loader import load_model
-from engine.runners.base import Geometry, Row, flatten, in_order
+from engine.runners.base import Geometry, Row, Sampled, flatten, in_order
 from engine.runners.torch import attention as torch_attention
+from engine.runners.torch import logprobs
 from engine.runners.torch.compiled import CompiledDecode
+from engine.runners.torch.logprobs import DeviceLogprobs
 from engine.runners.torch.sampler import sample
 
 log = logging.getLogger("pagoda")
@@ -21,7 +23,8 @@ log = logging.getLogger("pagoda")
 @dataclass(slots=True)
 class Step:
     tokens: torch.Tensor              # [rows] int64 on the device; -1 where a row did not sample
-    host: torch.Tensor | None = None  # pinned copy (CUDA)
+    logprobs: DeviceLogprobs | None = None   # of the rows that asked
+    host: torch.Tensor | None = None  # pinned copy of tokens (CUDA); logprobs are then pinned copies too
     done: torch.cuda.Event | None = None
 
 
@@ -111,34 +114,42 @@ class TorchRunner:
         self.tokens_computed += len(ids)
         decode = len(ids) == len(rows) and all(r.sample for r in rows)     # one token per row, every row samples
         if decode and self.compiled is not None:
-            return self._finish(sample(self.compiled(ids_t, rows), rows, self.generator_for))
+            return self._finish(*self._sample(self.compiled(ids_t, rows), rows))
         if self.paged:
             attn = torch_attention.paged(self.ops, self.k_cache, self.v_cache, rows, self.scale, dev)
         else:
             attn = torch_attention.dense(self.dense, rows, self.scale)
         hidden = self.model(ids_t, torch.tensor(positions, dtype=torch.long, device=dev), attn)
         if decode:
-            tokens = sample(self.model.logits(hidden), rows, self.generator_for)
-        else:
-            picked = [i for i, r in enumerate(rows) if r.sample]
-            tokens = torch.full((len(rows),), -1, dtype=torch.long, device=dev)
-            if picked:
-                logits = self.model.logits(hidden[[last[i] for i in picked]])
-                tokens[picked] = sample(logits, [rows[i] for i in picked], self.generator_for)
-        return self._finish(tokens)
+            return self._finish(*self._sample(self.model.logits(hidden), rows))
+        picked = [i for i, r in enumerate(rows) if r.sample]
+        tokens = torch.full((len(rows),), -1, dtype=torch.long, device=dev)
+        found = None
+        if picked:
+            logits = self.model.logits(hidden[[last[i] for i in picked]])
+            tokens[picked], found = self._sample(logits, [rows[i] for i in picked])
+        return self._finish(tokens, found and found.remap(picked))
 
-    def _finish(self, tokens: torch.Tensor) -> Step:
-        step = Step(tokens)
-        dev = self.device
-        if dev.type == "cuda":
+    def _sample(self, logits: torch.Tensor, rows: list[Row]) -> tuple[torch.Tensor, DeviceLogprobs | None]:
+        asked = logprobs.wanted(rows)
+        raw = logprobs.raw(logits, asked) if asked else None         # before sample() masks bans in place
+        tokens = sample(logits, rows, self.generator_for)
+        if raw is None:
+            return tokens, None
+        return tokens, logprobs.pick(raw, tokens[asked], asked, [rows[i].params.logprobs for i in asked])
+
+    def _finish(self, tokens: torch.Tensor, found: DeviceLogprobs | None = None) -> Step:
+        step = Step(tokens, found)
+        if self.device.type == "cuda":
             step.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             step.host.copy_(tokens, non_blocking=True)
+            step.logprobs = found and found.to_host()
             step.done = torch.cuda.Event()
             step.done.record()
         return step
 
-    def fetch(self, step: Step) -> list[int]:
+    def fetch(self, step: Step) -> Sampled:
         if step.done is not None:
             step.done.synchronize()
-            return step.host.tolist()
-        return step.tokens.tolist()
+        tokens = (step.tokens if step.host is None else step.host).tolist()
+        return Sampled(tokens, step.logprobs and step.logprobs.read(len(tokens)))
