@@ -43,6 +43,8 @@ TRITON_CASES = [
     ("min-tokens-above-max", {"text_input": "hi", "sampling_parameters": '{"min_tokens": 9, "max_tokens": 3}'},
      "min_tokens"),
     ("ignore-eos-not-bool", {"text_input": "hi", "sampling_parameters": '{"ignore_eos": "maybe"}'}, "ignore_eos"),
+    ("logprobs-too-many", {"text_input": "hi", "sampling_parameters": '{"logprobs": 21}'}, "logprobs"),
+    ("logprobs-negative", {"text_input": "hi", "sampling_parameters": '{"logprobs": -1}'}, "logprobs"),
     ("ids-outside-vocab", {"input_ids": [5, 99999]}, "input_ids"),
     ("ids-negative", {"input_ids": [5, -3]}, "input_ids"),
     ("ids-wrong-dtype", {"input_ids": np.array([5, 6], dtype=np.int64)}, "input_ids"),

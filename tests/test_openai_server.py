@@ -109,6 +109,41 @@ def test_echo_prepends_the_prompt(server):
     assert r.text == echoed["choices"][0]["text"]
 
 
+def test_logprobs_with_the_openai_client(server, tiny_dir):
+    """Completions' logprobs and chat's logprobs + top_logprobs, whole and streamed, through the official client;
+    the values are the engine's (which equal transformers' log-softmax, tests/test_logprobs.py)."""
+    from openai import OpenAI
+    client = OpenAI(base_url=f"http://{server}/v1", api_key="none")
+    want = LLM(model=tiny_dir, dtype="float32").generate(PROMPT, SamplingParams(max_tokens=6, temperature=0,
+                                                                                logprobs=2))[0]
+    sampled = [p[t].logprob for p, t in zip(want.logprobs, want.token_ids)]
+    out = client.completions.create(model="tiny0", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(sampled, abs=1e-4) and len(lp.top_logprobs) == 6
+    assert all(len(top) <= 3 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+    assert "".join(lp.tokens) == out.choices[0].text
+    chunks = list(client.completions.create(model="tiny0", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2,
+                                            stream=True))
+    streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(sampled, abs=1e-4)
+    messages = [{"role": "user", "content": "hello there"}]
+    chat = client.chat.completions.create(model="tiny0", messages=messages, max_tokens=5, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.top_logprobs[0].logprob == pytest.approx(c.logprob) for c in content)       # greedy: rank 1
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    stream = client.chat.completions.create(model="tiny0", messages=messages, max_tokens=5, temperature=0,
+                                            logprobs=True, top_logprobs=2, stream=True)
+    streamed = [c.logprob for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for c in chunk.choices[0].logprobs.content]
+    assert streamed == pytest.approx([c.logprob for c in content], abs=1e-5)
+    plain = client.completions.create(model="tiny0", prompt=PROMPT, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+    status, body = post(server, "/v1/chat/completions", {"model": "tiny0", "messages": messages, "top_logprobs": 2})
+    assert status == 400 and body["error"]["param"] == "top_logprobs"
+
+
 def test_models_health_metrics(server):
     models = json.loads(urllib.request.urlopen(f"http://{server}/v1/models").read())
     assert [m["id"] for m in models["data"]] == ["tiny0"]
@@ -124,7 +159,7 @@ def test_models_health_metrics(server):
     ({"model": "tiny0", "prompt": [1, 99999]}, "input_ids"),
     ({"model": "tiny0"}, "prompt"),
     ({"model": "tiny0", "prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
-    ({"model": "tiny0", "prompt": "hi", "logprobs": 2}, "logprobs"),
+    ({"model": "tiny0", "prompt": "hi", "logprobs": 21}, "logprobs"),
 ])
 def test_bad_requests_are_400_naming_the_field(server, body, field):
     status, out = post(server, "/v1/completions", body)

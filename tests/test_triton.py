@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -57,6 +58,33 @@ def test_stream_matches_offline_and_reports_extras(server, tiny_dir):
     assert scrape(server.metrics_url, "pagoda_kv_blocks", state="free") > 0
     assert scrape(server.metrics_url, "pagoda_kv_blocks", state="cached") > 0
     assert scrape(server.metrics_url, "pagoda_time_to_first_token_seconds_count") >= 2
+
+
+def test_logprobs_and_cumulative_logprob(server, tiny_dir):
+    """vllm_backend's return_logprobs (JSON of the positions new in each response) and return_cumulative_logprob,
+    streamed over gRPC and whole over the HTTP generate endpoint."""
+    ids = random_ids(30, seed=9)
+    want = LLM(model=tiny_dir, dtype="float32").generate(ids, SamplingParams(max_tokens=6, temperature=0,
+                                                                             logprobs=2))[0]
+    expected = [{str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                 for t, lp in position.items()} for position in want.logprobs]
+    flags = dict(return_logprobs=True, return_cumulative_logprob=True)
+    responses, error = collect(server, grpc_inputs(ids, {"max_tokens": 6, "temperature": 0, "logprobs": "2"},
+                                                   **flags))
+    assert error is None
+    got = [json.loads(r["logprobs"][0]) for r in responses]
+    assert [len(g) for g in got] == [len(r["output_ids"]) for r in responses]
+    positions = [p for g in got for p in g]
+    assert [p.keys() for p in positions] == [e.keys() for e in expected]
+    assert all(abs(p[t]["logprob"] - e[t]["logprob"]) < 1e-4 and p[t]["rank"] == e[t]["rank"]
+               for p, e in zip(positions, expected) for t in e)
+    assert float(responses[-1]["cumulative_logprob"][0]) == pytest.approx(want.cumulative_logprob, abs=1e-3)
+    plain, _ = collect(server, grpc_inputs(ids, {"max_tokens": 2}, **flags))       # not asked: null, NaN
+    assert plain[-1]["logprobs"][0] == b"null" and math.isnan(float(plain[-1]["cumulative_logprob"][0]))
+    status, body = http(server, "/v2/models/llm/generate",
+                        {"text_input": PROMPT, "exclude_input_in_output": True, "return_logprobs": True,
+                         "sampling_parameters": json.dumps({"max_tokens": 5, "temperature": 0, "logprobs": 1})})
+    assert status == 200 and len(json.loads(json.loads(body)["logprobs"])) == 5
 
 
 def test_token_ids_input(server, tiny_dir):

@@ -16,7 +16,7 @@ class Logprob:
     decoded_token: str
 
 
-PositionLogprobs = dict[int, Logprob]          # token id -> Logprob: the sampled token and the top ones
+PositionLogprobs = dict[int, Logprob]          # token id -> Logprob: the sampled token, then the top ones
 
 
 @dataclass(slots=True)
@@ -82,8 +82,9 @@ class Output:
 
     def _add_logprobs(self, req: Request, token: int, lp: TokenLogprobs) -> None:
         text = self.tokenizer.token_text
-        position = {t: Logprob(v, rank, text(t)) for rank, (t, v) in enumerate(lp.top, start=1)}
-        position.setdefault(token, Logprob(lp.logprob, lp.rank, text(token)))
+        position = {token: Logprob(lp.logprob, lp.rank, text(token))}       # vLLM's order: sampled, then the top
+        for rank, (t, v) in enumerate(lp.top, start=1):
+            position.setdefault(t, Logprob(v, rank, text(t)))
         if req.logprobs is None:
             req.logprobs = []
         req.logprobs.append(position)

@@ -1,13 +1,16 @@
 """Triton tensors <-> engine requests, free of Triton itself: names and types follow Triton's vLLM backend."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine.core.output import PositionLogprobs
 from engine.core.sampling import SamplingParams
 
-EXTRAS = {"return_finish_reason": "finish_reason", "return_num_input_tokens": "num_input_tokens",
+EXTRAS = {"return_finish_reason": "finish_reason", "return_cumulative_logprob": "cumulative_logprob",
+          "return_logprobs": "logprobs", "return_num_input_tokens": "num_input_tokens",
           "return_num_output_tokens": "num_output_tokens", "return_cached_tokens": "cached_tokens"}
 
 INPUTS = [  # name, data_type, dims, optional
@@ -18,6 +21,7 @@ INPUTS = [  # name, data_type, dims, optional
 ]
 OUTPUTS = [
     ("text_output", "TYPE_STRING", [-1]), ("output_ids", "TYPE_INT32", [-1]), ("finish_reason", "TYPE_STRING", [1]),
+    ("cumulative_logprob", "TYPE_FP32", [-1]), ("logprobs", "TYPE_STRING", [-1]),
     ("num_input_tokens", "TYPE_UINT32", [1]), ("num_output_tokens", "TYPE_UINT32", [1]),
     ("cached_tokens", "TYPE_UINT32", [1]),
 ]
@@ -90,18 +94,31 @@ def error_message(message: str) -> str:
 
 
 def outputs(text: str, ids: list[int], extras: list[str], finish_reason: str | None, num_input: int,
-            cached: int) -> dict[str, np.ndarray]:
-    """Output tensors of one response. The return_* extras ride on every response: finish_reason is empty
-    until the last one; num_output_tokens counts the tokens in this response, as vllm_backend defines it (the
-    growth of the output since the previous response), so a client that sums them gets the total."""
+            cached: int, logprobs: list[PositionLogprobs] | None = None,
+            cumulative: float | None = None) -> dict[str, np.ndarray]:
+    """Output tensors of one response, as vllm_backend defines them. The return_* extras ride on every response:
+    finish_reason is empty until the last one; num_output_tokens counts the tokens in this response (the growth of
+    the output since the previous response), so a client that sums them gets the total; logprobs is the JSON of
+    this response's positions ([{token id: {logprob, rank, decoded_token}}], "null" when the request did not ask
+    for logprobs); cumulative_logprob is the sum over all tokens so far (NaN when it did not ask, as vLLM V1
+    reports None)."""
     out = {"text_output": np.array([text.encode("utf-8")], dtype=np.object_),
            "output_ids": np.array(ids, dtype=np.int32)}
     values = {"finish_reason": lambda: np.array([(finish_reason or "").encode()], dtype=np.object_),
               "num_input_tokens": lambda: np.array([num_input], dtype=np.uint32),
               "num_output_tokens": lambda: np.array([len(ids)], dtype=np.uint32),
-              "cached_tokens": lambda: np.array([cached], dtype=np.uint32)}
+              "cached_tokens": lambda: np.array([cached], dtype=np.uint32),
+              "cumulative_logprob": lambda: np.array([np.nan if cumulative is None else cumulative], dtype=np.float32),
+              "logprobs": lambda: np.array([logprobs_json(logprobs).encode()], dtype=np.object_)}
     out.update({name: values[name]() for name in extras})
     return out
+
+
+def logprobs_json(logprobs: list[PositionLogprobs] | None) -> str:
+    if logprobs is None:
+        return "null"
+    return json.dumps([{t: {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                        for t, lp in position.items()} for position in logprobs])
 
 
 def config_io() -> tuple[list[dict], list[dict]]:

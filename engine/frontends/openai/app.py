@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.core.output import Delta
+from engine.frontends.openai.logprobs import Shaper
 from engine.frontends.openai.protocol import ChatCompletionRequest, CompletionRequest, usage
 from engine.serving.client import EngineClient
 
@@ -75,29 +76,35 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
         except ValueError as e:
             message = str(e)
             return error(400, message, message.split(":", 1)[0])
+        echoed = ""
         if not chat and body.echo:             # completions: the prompt's text leads the first choice's text
-            first.text = (prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt)) + first.text
+            echoed = prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt)
+            first.text = echoed + first.text
+        shape = Shaper(chat, params.logprobs, len(echoed))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if body.stream:
-            return StreamingResponse(sse(rid, kind, body, first, stream, chat), media_type="text/event-stream")
-        out, failure = await whole(rid, kind, first, stream, chat)
+            return StreamingResponse(sse(rid, kind, body, first, stream, chat, shape),
+                                     media_type="text/event-stream")
+        out, failure = await whole(rid, kind, first, stream, chat, shape)
         return error(500, failure, kind="server_error") if failure else JSONResponse(out)
 
-    async def whole(rid: str, kind: str, first: Delta, stream: AsyncIterator[Delta],
-                    chat: bool) -> tuple[dict, str | None]:
+    async def whole(rid: str, kind: str, first: Delta, stream: AsyncIterator[Delta], chat: bool,
+                    shape: Shaper) -> tuple[dict, str | None]:
         deltas = [first]
         while not deltas[-1].finished:
             deltas.append(await anext(stream))
         last = deltas[-1]
         text = "".join(d.text for d in deltas)
         ids = [t for d in deltas for t in d.token_ids]
-        choice = {"index": 0, "finish_reason": last.finish_reason, "token_ids": ids}
+        positions = [p for d in deltas for p in d.logprobs or ()]
+        choice = {"index": 0, "finish_reason": last.finish_reason, "token_ids": ids, "logprobs": shape(positions, ids)}
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
         out = {"id": rid, "object": kind, "created": int(time.time()), "model": model_name, "choices": [choice],
                "usage": usage(last.num_prompt_tokens, last.num_output_tokens, last.cached_tokens)}
         return out, (last.error or "request failed") if last.finish_reason == "error" else None
 
-    async def sse(rid: str, kind: str, body, first: Delta, stream: AsyncIterator[Delta], chat: bool):
+    async def sse(rid: str, kind: str, body, first: Delta, stream: AsyncIterator[Delta], chat: bool,
+                  shape: Shaper):
         obj = "chat.completion.chunk" if chat else kind
         d = first
         try:
@@ -106,7 +113,7 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
                     yield f"data: {json.dumps({'error': {'message': d.error, 'type': 'server_error'}})}\n\n"
                     return
                 part = {"index": 0, "finish_reason": d.finish_reason if d.finished else None,
-                        "token_ids": d.token_ids}
+                        "token_ids": d.token_ids, "logprobs": shape(d.logprobs, d.token_ids)}
                 part.update({"delta": {"content": d.text}} if chat else {"text": d.text})
                 yield f"data: {json.dumps({'id': rid, 'object': obj, 'model': model_name, 'choices': [part]})}\n\n"
                 if d.finished:

@@ -16,7 +16,7 @@ from engine.core.sampling import SamplingParams
 log = logging.getLogger("pagoda")
 # known, not honoured yet -> the values that ask for nothing
 NOT_YET: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "prompt_logprobs": (None,),
+    "prompt_logprobs": (None,),
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
     "min_p": (None, 0), "logit_bias": (None, {}), "bad_words": (None, []), "best_of": (None, 1),
     "response_format": (None, {"type": "text"}), "structured_outputs": (None,), "guided_json": (None,),
@@ -68,7 +68,11 @@ class _Sampling(BaseModel):
         return SamplingParams(max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
                               min_tokens=self.min_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, seed=self.seed, stop=stop, stop_token_ids=self.stop_token_ids,
-                              ignore_eos=self.ignore_eos)
+                              ignore_eos=self.ignore_eos, logprobs=self.top_tokens())
+
+    def top_tokens(self) -> int | None:
+        """How many top tokens per position the request's logprobs ask for; None: no logprobs."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -78,6 +82,10 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     prompt: str | list[int]
     echo: bool = False
+    logprobs: int | None = None
+
+    def top_tokens(self) -> int | None:
+        return self.logprobs
 
 
 class Message(BaseModel):
@@ -88,6 +96,13 @@ class Message(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def top_tokens(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:

@@ -46,6 +46,7 @@ class Stream:
     closed: bool = False        # its final response went out (set on the responder thread)
     text: list[str] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None
 
 
 class TritonPythonModel:
@@ -164,16 +165,18 @@ class TritonPythonModel:
         if d.finish_reason in ("error", "abort"):
             return TritonPythonModel._error(d.error or "request aborted", pb_utils.TritonError.INTERNAL)
         if stream.req.stream:
-            text, ids = d.text, d.token_ids
+            text, ids, logprobs = d.text, d.token_ids, d.logprobs
         else:
             stream.text.append(d.text)
             stream.ids.extend(d.token_ids)
+            if d.logprobs is not None:
+                stream.logprobs = (stream.logprobs or []) + d.logprobs
             if not d.finished:
                 return None
             text = (stream.req.prompt if stream.req.prepend_input else "") + "".join(stream.text)
-            ids = stream.ids
+            ids, logprobs = stream.ids, stream.logprobs
         arrays = triton_io.outputs(text, ids, stream.req.extras, d.finish_reason, d.num_prompt_tokens,
-                                   d.cached_tokens)
+                                   d.cached_tokens, logprobs, d.cumulative_logprob)
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in arrays.items()])
 
     def _send(self, stream: Stream, response, flags: int) -> None:
