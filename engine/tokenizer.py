@@ -16,6 +16,7 @@ class Tokenizer:
         config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.exists() else {}
         self.chat_template: str | None = config.get("chat_template")
         self.vocab_size = self.tok.get_vocab_size()
+        self.texts: dict[int, str] = {}
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -24,8 +25,11 @@ class Tokenizer:
         return self.tok.decode(ids, skip_special_tokens=True)
 
     def token_text(self, token: int) -> str:
-        """One token's text, special tokens included (logprobs' decoded_token)."""
-        return self.tok.decode([token], skip_special_tokens=False)
+        """One token's text, special tokens included (logprobs' decoded_token); each is decoded once."""
+        text = self.texts.get(token)
+        if text is None:
+            text = self.texts[token] = self.tok.decode([token], skip_special_tokens=False)
+        return text
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:

@@ -32,16 +32,18 @@ def decode_rate(times: Sequence[float]) -> float:
     return (len(times) - 1) / (times[-1] - times[0])
 
 
-def greedy_run(engine: Engine, prompt: str | list[int], max_tokens: int,
-               lookahead: bool | None = None) -> tuple[float, float]:
+def greedy_run(engine: Engine, prompt: str | list[int], max_tokens: int, lookahead: bool | None = None,
+               **params) -> tuple[float, float]:
     """One greedy request (EOS ignored) through the engine in process: (TTFT in seconds, decode tok/s).
-    `lookahead` switches the engine's lookahead for this request (False: the PAGODA_FORCE_SYNC path)."""
+    `lookahead` switches the engine's lookahead for this request (False: the PAGODA_FORCE_SYNC path); `params`
+    are more SamplingParams (logprobs=5)."""
     if lookahead is not None:
         engine.lookahead.enabled = lookahead
     times: list[float] = []
     engine.on_delta = lambda d: times.extend([time.perf_counter()] * len(d.token_ids))
     start = time.perf_counter()
-    engine.add(engine.make_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)))
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **params)
+    engine.add(engine.make_request(prompt, sampling))
     while engine.has_work:
         engine.step()
     return times[0] - start, decode_rate(times)

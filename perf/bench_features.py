@@ -1,0 +1,39 @@
+"""What each generation feature costs in decode: tok/s with it next to plain greedy decode, one engine, the two
+requests alternated in ABBA order; the ratio is the median of per-pair ratios. Greedy, EOS ignored.
+
+    python -m perf.bench_features [--preset small] [--max-tokens 128] [--repeats 9] [--threads 1]
+"""
+from __future__ import annotations
+
+import argparse
+
+from engine.config import EngineConfig
+from engine.core.engine import Engine
+from engine.models.presets import cached_model
+from perf.common import greedy_run, median_pair, prompt_ids, table
+
+FEATURES = {"logprobs=5": {"logprobs": 5}, "logprobs=20": {"logprobs": 20}}
+
+
+def main(argv: list[str] | None = None) -> list[list[str]]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    engine = Engine(EngineConfig(model=str(cached_model(args.preset)), num_threads=args.threads))
+    prompt = prompt_ids()
+    greedy_run(engine, prompt, 8)                                          # warm-up
+    rows = []
+    for name, params in FEATURES.items():
+        pair = median_pair(lambda: greedy_run(engine, prompt, args.max_tokens, **params)[1],
+                           lambda: greedy_run(engine, prompt, args.max_tokens)[1], args.repeats)
+        rows.append([name, f"{pair.pagoda:.1f}", f"{pair.peer:.1f}", f"{pair.ratio:.3f}"])
+    print(f"{args.preset}, {args.max_tokens} new tokens, {args.repeats} ABBA pairs, torch threads {args.threads}")
+    print(table(["feature", "with tok/s", "plain tok/s", "with/plain"], rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
