@@ -12,7 +12,8 @@ from engine.core.engine import Engine
 from engine.models.presets import cached_model
 from perf.common import greedy_run, median_pair, prompt_ids, table
 
-FEATURES = {"logprobs=5": {"logprobs": 5}, "logprobs=20": {"logprobs": 20}}
+FEATURES = {"logprobs=5": {"logprobs": 5}, "logprobs=20": {"logprobs": 20},
+            "penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}}
 
 
 def main(argv: list[str] | None = None) -> list[list[str]]:

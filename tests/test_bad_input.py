@@ -44,6 +44,9 @@ TRITON_CASES = [
      "min_tokens"),
     ("ignore-eos-not-bool", {"text_input": "hi", "sampling_parameters": '{"ignore_eos": "maybe"}'}, "ignore_eos"),
     ("logprobs-too-many", {"text_input": "hi", "sampling_parameters": '{"logprobs": 21}'}, "logprobs"),
+    ("penalty-out-of-range", {"text_input": "hi", "sampling_parameters": '{"presence_penalty": 9}'},
+     "presence_penalty"),
+    ("logit-bias-not-ids", {"text_input": "hi", "sampling_parameters": '{"logit_bias": {"x": 1}}'}, "logit_bias"),
     ("logprobs-negative", {"text_input": "hi", "sampling_parameters": '{"logprobs": -1}'}, "logprobs"),
     ("ids-outside-vocab", {"input_ids": [5, 99999]}, "input_ids"),
     ("ids-negative", {"input_ids": [5, -3]}, "input_ids"),
@@ -121,7 +124,8 @@ OPENAI_CASES = [
     ("top-p-above-one", {"model": "tiny0", "prompt": "hi", "top_p": 1.5}, "top_p", 400),
     ("seed-negative", {"model": "tiny0", "prompt": "hi", "seed": -4}, "seed", 400),
     ("stop-a-number", {"model": "tiny0", "prompt": "hi", "stop": 5}, "stop", 400),
-    ("known-not-honoured", {"model": "tiny0", "prompt": "hi", "presence_penalty": 0.5}, "presence_penalty", 400),
+    ("known-not-honoured", {"model": "tiny0", "prompt": "hi", "best_of": 3}, "best_of", 400),
+    ("penalty-out-of-range", {"model": "tiny0", "prompt": "hi", "frequency_penalty": -3}, "frequency_penalty", 400),
     ("body-too-large", {"model": "tiny0", "prompt": "x" * 70_000}, "body", 413),
 ]
 CHAT_CASES = [

@@ -144,6 +144,23 @@ def test_logprobs_with_the_openai_client(server, tiny_dir):
     assert status == 400 and body["error"]["param"] == "top_logprobs"
 
 
+def test_penalties_with_the_openai_client(server, tiny_dir):
+    """frequency_penalty and presence_penalty (OpenAI's fields) and repetition_penalty and min_p (vLLM's extra
+    body) reach the sampler: the server decodes what the engine does with the same params."""
+    from openai import OpenAI
+    client = OpenAI(base_url=f"http://{server}/v1", api_key="none")
+    args = dict(model="tiny0", prompt=PROMPT, max_tokens=12, temperature=0)
+    plain = client.completions.create(**args).choices[0]
+    out = client.completions.create(**args, frequency_penalty=1.5, presence_penalty=0.5,
+                                    extra_body={"repetition_penalty": 1.3, "ignore_eos": True}).choices[0]
+    want = LLM(model=tiny_dir, dtype="float32").generate(PROMPT, SamplingParams(
+        max_tokens=12, temperature=0, frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3,
+        ignore_eos=True))[0]
+    assert out.model_extra["token_ids"] == want.token_ids != plain.model_extra["token_ids"]
+    biased = client.completions.create(**args, logit_bias={"7": 100}).choices[0]
+    assert set(biased.model_extra["token_ids"]) == {7}
+
+
 def test_models_health_metrics(server):
     models = json.loads(urllib.request.urlopen(f"http://{server}/v1/models").read())
     assert [m["id"] for m in models["data"]] == ["tiny0"]
@@ -158,7 +175,8 @@ def test_models_health_metrics(server):
     ({"model": "tiny0", "prompt": ""}, "prompt"),
     ({"model": "tiny0", "prompt": [1, 99999]}, "input_ids"),
     ({"model": "tiny0"}, "prompt"),
-    ({"model": "tiny0", "prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"model": "tiny0", "prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
+    ({"model": "tiny0", "prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),
     ({"model": "tiny0", "prompt": "hi", "logprobs": 21}, "logprobs"),
 ])
 def test_bad_requests_are_400_naming_the_field(server, body, field):

@@ -87,6 +87,18 @@ def test_logprobs_and_cumulative_logprob(server, tiny_dir):
     assert status == 200 and len(json.loads(json.loads(body)["logprobs"])) == 5
 
 
+def test_penalties_and_logit_bias_in_sampling_parameters(server, tiny_dir):
+    """vLLM's keys, string values as Triton clients send them: the server decodes what the engine does."""
+    ids = random_ids(30, seed=10)
+    keys = {"frequency_penalty": 1.5, "repetition_penalty": 1.4, "logit_bias": {9: 2.0}}
+    want = LLM(model=tiny_dir, dtype="float32").generate(ids, SamplingParams(max_tokens=10, temperature=0,
+                                                                             ignore_eos=True, **keys))[0]
+    sent = {"max_tokens": 10, "temperature": 0, "ignore_eos": True, "frequency_penalty": "1.5",
+            "repetition_penalty": "1.4", "logit_bias": {"9": 2.0}}
+    responses, error = collect(server, grpc_inputs(ids, sent))
+    assert error is None and [int(i) for r in responses for i in r["output_ids"]] == want.token_ids
+
+
 def test_token_ids_input(server, tiny_dir):
     ids = random_ids(40, seed=3)
     responses, error = collect(server, grpc_inputs(ids, {"max_tokens": 5, "temperature": 0}))

@@ -92,6 +92,10 @@ class Engine:
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens: prompt ({len(ids)}) + max_tokens ({params.max_tokens}) exceeds the "
                              f"model's context of {self.max_model_len}")
+        self.runner.check(params)
+        for t in params.logit_bias or ():
+            if t >= self.runner.vocab_size:
+                raise ValueError(f"logit_bias: token id {t} is outside the vocabulary [0, {self.runner.vocab_size})")
         req = Request(next(self.ids) if request_id is None else request_id, ids, params)
         if not self.kv.fits(req):
             raise ValueError(f"{field}: {len(ids)} tokens need more KV blocks than the pool holds")
@@ -151,7 +155,7 @@ class Engine:
             start, end = req.num_computed, req.num_computed + n
             rows.append(Row(req.id, start, req.all_ids[start:end], slots=self.kv.slots(req, start, end),
                             block_table=req.block_table, buf=req.buf, params=req.params, ban=self._ban(req),
-                            sample=end == req.prefill_target and not req.output_ids))
+                            sample=end == req.prefill_target and not req.output_ids, prompt=self._prompt(req)))
             req.num_allocated = end
         sampled = self.runner.fetch(self.runner.forward(rows, None))
         logprobs = sampled.logprobs or [None] * len(rows)
@@ -196,7 +200,11 @@ class Engine:
         n_prompt = len(req.prompt_ids)
         tokens = [] if prev >= 0 else [req.prompt_ids[p] if p < n_prompt else req.output_ids[p - n_prompt]]
         return Row(req.id, p, tokens, prev=prev, slots=self.kv.slots(req, p, p + 1), block_table=req.block_table,
-                   buf=req.buf, params=req.params, ban=self._ban(req))
+                   buf=req.buf, params=req.params, ban=self._ban(req), fed_output=True, prompt=self._prompt(req))
+
+    @staticmethod
+    def _prompt(req: Request) -> list[int] | None:
+        return req.prompt_ids if req.params.repetition_penalty != 1 else None
 
     def _ban(self, req: Request) -> tuple[int, ...]:
         p = req.params

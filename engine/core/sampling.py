@@ -18,6 +18,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None       # the sampled token's logprob and this many top ones per position (0-20)
+    # vLLM's definitions: presence and frequency over the output, repetition over prompt and output (1: off)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0                # sampled rows: drop tokens below min_p times the most likely one's probability
+    logit_bias: dict[int, float] | None = None    # token id -> added to its logit before sampling
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -27,6 +33,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def validate(self) -> None:
         _int("max_tokens", self.max_tokens, low=1)
@@ -54,6 +64,24 @@ class SamplingParams:
             _int("logprobs", self.logprobs, low=0)
             if self.logprobs > MAX_LOGPROBS:
                 raise ValueError(f"logprobs: must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _num(name, getattr(self, name))
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name}: must be in [-2, 2], got {getattr(self, name)}")
+        _num("repetition_penalty", self.repetition_penalty)
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")
+        _num("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias: must be an object of token id -> bias, got {self.logit_bias!r}")
+            for token, bias in self.logit_bias.items():
+                _int("logit_bias", token, low=0)
+                _num("logit_bias", bias)
+                if not -100 <= bias <= 100:
+                    raise ValueError(f"logit_bias: bias of token {token} must be in [-100, 100], got {bias}")
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "SamplingParams":
@@ -79,12 +107,17 @@ class SamplingParams:
 
 MAX_LOGPROBS = 20
 _INTS = {"max_tokens", "min_tokens", "top_k", "seed", "logprobs"}
-_FLOATS = {"temperature", "top_p"}
+_FLOATS = {"temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"}
 
 
 def _coerce(key: str, value: Any) -> Any:
     if value is None:
-        return None if key in ("seed", "logprobs") else _fail(key, value, "a value")
+        return None if key in ("seed", "logprobs", "logit_bias") else _fail(key, value, "a value")
+    if key == "logit_bias" and isinstance(value, dict):      # JSON keys are strings: {"42": -5}
+        try:
+            return {int(k): float(v) if isinstance(v, str) else v for k, v in value.items()}
+        except (TypeError, ValueError):
+            return _fail(key, value, "token ids -> numbers")
     if key in _INTS and isinstance(value, str):
         try:
             return int(value.strip())

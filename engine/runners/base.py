@@ -20,6 +20,8 @@ class Row:
     sample: bool = True
     params: SamplingParams | None = None
     ban: tuple[int, ...] = ()     # token ids masked out (min_tokens not reached)
+    fed_output: bool = False      # decode: the input token is the previous output, for the penalties' counts
+    prompt: list[int] | None = None   # the request's prompt, when its repetition penalty needs it
 
     @property
     def length(self) -> int:
@@ -66,6 +68,8 @@ class ModelRunner(Protocol):
     def fetch(self, handle: Any) -> Sampled:
         """Read a step's sampled tokens and the logprobs its rows asked for."""
     def release(self, seq: int) -> None: ...
+    def check(self, params: SamplingParams) -> None:
+        """Raise ValueError naming the field when this runner cannot honour one of `params`."""
     def dense_alloc(self, capacity: int) -> int: ...
     def dense_resize(self, buf: int, capacity: int) -> None: ...
     def dense_free(self, buf: int) -> None: ...

@@ -16,9 +16,7 @@ from engine.core.sampling import SamplingParams
 log = logging.getLogger("pagoda")
 # known, not honoured yet -> the values that ask for nothing
 NOT_YET: dict[str, tuple[Any, ...]] = {
-    "prompt_logprobs": (None,),
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
-    "min_p": (None, 0), "logit_bias": (None, {}), "bad_words": (None, []), "best_of": (None, 1),
+    "prompt_logprobs": (None,), "bad_words": (None, []), "best_of": (None, 1),
     "response_format": (None, {"type": "text"}), "structured_outputs": (None,), "guided_json": (None,),
     "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "suffix": (None, ""),
     "tools": (None, []), "tool_choice": (None, "none"),
@@ -41,6 +39,11 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     min_tokens: int = 0
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
@@ -68,7 +71,10 @@ class _Sampling(BaseModel):
         return SamplingParams(max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
                               min_tokens=self.min_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, seed=self.seed, stop=stop, stop_token_ids=self.stop_token_ids,
-                              ignore_eos=self.ignore_eos, logprobs=self.top_tokens())
+                              ignore_eos=self.ignore_eos, logprobs=self.top_tokens(),
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=self.repetition_penalty, min_p=self.min_p,
+                              logit_bias=self.logit_bias)
 
     def top_tokens(self) -> int | None:
         """How many top tokens per position the request's logprobs ask for; None: no logprobs."""

@@ -70,6 +70,12 @@ class MLXRunner:
     def dense_free(self, buf: int) -> None:
         del self.dense[buf]
 
+    def check(self, params: SamplingParams) -> None:
+        for name, off in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1),
+                          ("min_p", 0), ("logit_bias", None)):
+            if getattr(params, name) not in (off, {}):
+                raise ValueError(f"{name}: not supported by the MLX runner yet")
+
     def release(self, seq: int) -> None:
         self.keys.pop(seq, None)
 

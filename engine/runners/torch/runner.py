@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from engine import kernels
+from engine.core.sampling import SamplingParams
 from engine.kernels import cpu_gemv, cpu_pointwise
 from engine.models.loader import load_model
 from engine.runners.base import Geometry, Row, Sampled, flatten, in_order
@@ -15,6 +16,7 @@ from engine.runners.torch import attention as torch_attention
 from engine.runners.torch import logprobs
 from engine.runners.torch.compiled import CompiledDecode
 from engine.runners.torch.logprobs import DeviceLogprobs
+from engine.runners.torch.penalties import Penalties
 from engine.runners.torch.sampler import sample
 
 log = logging.getLogger("pagoda")
@@ -52,6 +54,7 @@ class TorchRunner:
         self.generators: dict[int, torch.Generator] = {}
         self.default_generator = torch.Generator(self.device).manual_seed(0)
         self.tokens_computed = 0
+        self.penalties = Penalties(self.vocab_size, self.device)
         self.compiled: CompiledDecode | None = None
         # decode on a CPU: projections and logits through the bandwidth-bound GEMV (fp32, bf16); fp32 layers as
         # fused C calls (norms, RoPE, SwiGLU and residuals folded in)
@@ -89,8 +92,12 @@ class TorchRunner:
     def dense_free(self, buf: int) -> None:
         del self.dense[buf]
 
+    def check(self, params: SamplingParams) -> None:
+        pass                              # the torch runner honours every field SamplingParams has
+
     def release(self, seq: int) -> None:
         self.generators.pop(seq, None)
+        self.penalties.release(seq)
 
     def generator_for(self, row: Row) -> torch.Generator:
         if row.params is None or row.params.seed is None:
@@ -112,6 +119,7 @@ class TorchRunner:
                 dst, src = zip(*chained)
                 ids_t[list(dst)] = prev.tokens[list(src)]
         self.tokens_computed += len(ids)
+        self.penalties.count(rows, ids_t, last)
         decode = len(ids) == len(rows) and all(r.sample for r in rows)     # one token per row, every row samples
         if decode and self.compiled is not None:
             return self._finish(*self._sample(self.compiled(ids_t, rows), rows))
@@ -132,7 +140,8 @@ class TorchRunner:
 
     def _sample(self, logits: torch.Tensor, rows: list[Row]) -> tuple[torch.Tensor, DeviceLogprobs | None]:
         asked = logprobs.wanted(rows)
-        raw = logprobs.raw(logits, asked) if asked else None         # before sample() masks bans in place
+        raw = logprobs.raw(logits, asked) if asked else None         # before anything changes the logits
+        self.penalties.apply(logits, rows)
         tokens = sample(logits, rows, self.generator_for)
         if raw is None:
             return tokens, None

@@ -21,6 +21,9 @@ def sample(logits: torch.Tensor, rows: list[Row], generator_for) -> torch.Tensor
 
 def sample_one(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> torch.Tensor:
     logits = logits / p.temperature
+    if p.min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     if p.top_k > 0 and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
