@@ -21,8 +21,8 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token: int) -> str:
         """One token's text, special tokens included (logprobs' decoded_token); each is decoded once."""
@@ -42,24 +42,23 @@ class Tokenizer:
         return env.from_string(self.chat_template).render(messages=messages,
                                                            add_generation_prompt=add_generation_prompt)
 
-    def detokenizer(self) -> "Detokenizer":
-        return Detokenizer(self)
+    def detokenizer(self, skip_special_tokens: bool = True) -> "Detokenizer":
+        return Detokenizer(self, skip_special_tokens)
 
 
 class Detokenizer:
     """Emits text only once its bytes form complete UTF-8 characters."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
         self.ids: list[int] = []
         self.prefix = 0   # start of the window decoded for context
         self.read = 0     # end of the ids whose text was emitted
 
     def add(self, token: int) -> str:
         self.ids.append(token)
-        decode = self.tokenizer.decode
-        before = decode(self.ids[self.prefix:self.read])
-        after = decode(self.ids[self.prefix:])
+        before, after = self._window()
         if len(after) > len(before) and not after.endswith("\ufffd"):
             self.prefix, self.read = self.read, len(self.ids)
             return after[len(before):]
@@ -67,8 +66,11 @@ class Detokenizer:
 
     def flush(self) -> str:
         """Whatever is held back at the end of a sequence, replacement characters included."""
-        decode = self.tokenizer.decode
-        before = decode(self.ids[self.prefix:self.read])
-        after = decode(self.ids[self.prefix:])
+        before, after = self._window()
         self.prefix = self.read = len(self.ids)
         return after[len(before):]
+
+    def _window(self) -> tuple[str, str]:
+        """The text of the context window without and with the ids not yet emitted."""
+        decode = self.tokenizer.decode
+        return (decode(self.ids[self.prefix:self.read], self.skip), decode(self.ids[self.prefix:], self.skip))

@@ -44,6 +44,8 @@ TRITON_CASES = [
      "min_tokens"),
     ("ignore-eos-not-bool", {"text_input": "hi", "sampling_parameters": '{"ignore_eos": "maybe"}'}, "ignore_eos"),
     ("logprobs-too-many", {"text_input": "hi", "sampling_parameters": '{"logprobs": 21}'}, "logprobs"),
+    ("params-n-not-yet", {"text_input": "hi", "sampling_parameters": '{"n": 2}'}, "n"),
+    ("params-lora-name", {"text_input": "hi", "sampling_parameters": '{"lora_name": "adapter"}'}, "lora_name"),
     ("penalty-out-of-range", {"text_input": "hi", "sampling_parameters": '{"presence_penalty": 9}'},
      "presence_penalty"),
     ("logit-bias-not-ids", {"text_input": "hi", "sampling_parameters": '{"logit_bias": {"x": 1}}'}, "logit_bias"),

@@ -41,6 +41,16 @@ def test_stop_string_truncates_text(llm):
     assert deltas[-1].finish_reason == "stop"
     assert req.text == full[:full.index(stop)]
     assert "".join(d.text for d in deltas) == req.text
+    kept, deltas = stream(llm, "The quick brown fox", greedy(40, stop=[stop], include_stop_str_in_output=True))
+    assert kept.text == full[:full.index(stop)] + stop and "".join(d.text for d in deltas) == kept.text
+
+
+def test_special_tokens_are_skipped_unless_asked(llm):
+    special = llm.engine.tokenizer.tok.token_to_id("<|im_start|>")
+    forced = greedy(3, logit_bias={special: 100.0})                   # the model can only say <|im_start|>
+    assert llm.generate("hi", forced)[0].text == ""
+    kept = greedy(3, logit_bias={special: 100.0}, skip_special_tokens=False)
+    assert llm.generate("hi", kept)[0].text == "<|im_start|>" * 3
 
 
 def test_stop_token_and_eos(llm, tiny_dir, tmp_path):

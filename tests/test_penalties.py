@@ -81,11 +81,24 @@ def test_min_p_of_one_keeps_only_the_most_likely_token(tiny_dir):
 
 @pytest.mark.parametrize("params,message", [
     ({"presence_penalty": 2.5}, "presence_penalty: must be in"), ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"min_p": -0.1}, "min_p"), ({"logit_bias": {"a": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"min_p": -0.1}, "min_p"), ({"logit_bias": {"a": 1}}, "logit_bias"), ({"logit_bias": {"5": "x"}}, "logit_bias"),
 ])
 def test_bad_values_name_the_field(params, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams.from_dict(params)
+
+
+def test_logit_bias_is_clamped_as_vllm_does():
+    assert SamplingParams.from_dict({"logit_bias": {"5": 250, "6": -300}}).logit_bias == {5: 100.0, 6: -100.0}
+
+
+def test_vllm_keys_not_honoured_yet_are_refused_by_name_unless_they_ask_for_nothing():
+    with pytest.raises(ValueError, match="n: not supported by this server yet"):
+        SamplingParams.from_dict({"n": 3})
+    with pytest.raises(ValueError, match="structured_outputs: not supported"):
+        SamplingParams.from_dict({"structured_outputs": '{"json": {}}'})
+    neutral = {"n": "1", "detokenize": "true", "lora_name": None, "max_tokens": 3}
+    assert SamplingParams.from_dict(neutral).max_tokens == 3
 
 
 def test_logit_bias_outside_the_vocabulary_and_the_mlx_runner_refuse(tiny_dir):

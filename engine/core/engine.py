@@ -99,7 +99,7 @@ class Engine:
         req = Request(next(self.ids) if request_id is None else request_id, ids, params)
         if not self.kv.fits(req):
             raise ValueError(f"{field}: {len(ids)} tokens need more KV blocks than the pool holds")
-        req.detok = self.tokenizer.detokenizer()
+        req.detok = self.tokenizer.detokenizer(params.skip_special_tokens)
         return req
 
     def add(self, req: Request) -> Request:

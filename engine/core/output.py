@@ -96,8 +96,9 @@ class Output:
         text is cut before it."""
         window = max(len(s) for s in req.params.stop) + added
         tail_start = max(0, len(req.text) - window)
-        hits = [i for s in req.params.stop if (i := req.text.find(s, tail_start)) >= 0]
+        hits = [(i, len(s)) for s in req.params.stop if (i := req.text.find(s, tail_start)) >= 0]
         if not hits:
             return False
-        req.text = req.text[:min(hits)]
+        at, length = min(hits)
+        req.text = req.text[:at + length] if req.params.include_stop_str_in_output else req.text[:at]
         return True

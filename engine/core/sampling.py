@@ -23,7 +23,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_p: float = 0.0                # sampled rows: drop tokens below min_p times the most likely one's probability
-    logit_bias: dict[int, float] | None = None    # token id -> added to its logit before sampling
+    logit_bias: dict[int, float] | None = None    # token id -> added to its logit before sampling (clamped to +-100)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,8 +82,10 @@ class SamplingParams:
             for token, bias in self.logit_bias.items():
                 _int("logit_bias", token, low=0)
                 _num("logit_bias", bias)
-                if not -100 <= bias <= 100:
-                    raise ValueError(f"logit_bias: bias of token {token} must be in [-100, 100], got {bias}")
+            self.logit_bias = {t: min(100.0, max(-100.0, b)) for t, b in self.logit_bias.items()}   # as vLLM
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be a boolean, got {getattr(self, name)!r}")
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "SamplingParams":
@@ -99,6 +103,10 @@ class SamplingParams:
         known = {f.name for f in fields(cls)}
         kwargs: dict[str, Any] = {}
         for key, value in data.items():
+            if key in NOT_HONOURED and key not in known:
+                if _coerce_any(value) not in NOT_HONOURED[key]:
+                    raise ValueError(f"{key}: not supported by this server yet, got {value!r}")
+                continue                                # a value that asks for nothing
             if key not in known:
                 raise ValueError(f"{key}: unknown sampling parameter (known: {', '.join(sorted(known))})")
             kwargs[key] = _coerce(key, value)
@@ -106,6 +114,17 @@ class SamplingParams:
 
 
 MAX_LOGPROBS = 20
+# vLLM SamplingParams keys (and vllm_backend's lora_name, the legacy guided_decoding and best_of) this server does
+# not honour yet -> the values that ask for nothing, which are accepted
+NOT_HONOURED: dict[str, tuple[Any, ...]] = {
+    "n": (1,), "best_of": (None, 1), "prompt_logprobs": (None,), "prompt_logprob_token_ids": (None,),
+    "prompt_logprob_start": (None,), "logprob_token_ids": (None,), "flat_logprobs": (False,),
+    "detokenize": (True,), "spaces_between_special_tokens": (True,), "output_kind": (None,),
+    "stream_interval": (None, 1), "skip_clone": (False, True), "structured_outputs": (None,),
+    "guided_decoding": (None,), "allowed_token_ids": (None,), "extra_args": (None,), "bad_words": (None, []),
+    "skip_reading_prefix_cache": (None, False), "thinking_token_budget": (None,), "repetition_detection": (None,),
+    "routed_experts_prompt_start": (0,), "trace_decode_token_ids": (None,), "lora_name": (None, ""),
+}
 _INTS = {"max_tokens", "min_tokens", "top_k", "seed", "logprobs"}
 _FLOATS = {"temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"}
 
@@ -128,7 +147,7 @@ def _coerce(key: str, value: Any) -> Any:
             return float(value.strip())
         except ValueError:
             return _fail(key, value, "a number")
-    if key == "ignore_eos" and isinstance(value, str):
+    if key in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens") and isinstance(value, str):
         if value.strip().lower() in ("true", "1"):
             return True
         if value.strip().lower() in ("false", "0"):
@@ -137,6 +156,19 @@ def _coerce(key: str, value: Any) -> Any:
     if key in _FLOATS and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     return value
+
+
+def _coerce_any(value: Any) -> Any:
+    """A Triton client's string value as the number or boolean it spells, for comparing with neutral values."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip().lower()
+    if text in ("true", "false"):
+        return text == "true"
+    try:
+        return int(text)
+    except ValueError:
+        return value
 
 
 def _fail(key: str, value: Any, what: str) -> Any:

@@ -44,6 +44,8 @@ class _Sampling(BaseModel):
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: dict[int, float] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
@@ -74,7 +76,8 @@ class _Sampling(BaseModel):
                               ignore_eos=self.ignore_eos, logprobs=self.top_tokens(),
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, min_p=self.min_p,
-                              logit_bias=self.logit_bias)
+                              logit_bias=self.logit_bias, include_stop_str_in_output=self.include_stop_str_in_output,
+                              skip_special_tokens=self.skip_special_tokens)
 
     def top_tokens(self) -> int | None:
         """How many top tokens per position the request's logprobs ask for; None: no logprobs."""
