@@ -1,7 +1,7 @@
 """The ModelRunner protocol and the Row a runner computes: plain data handed over by the core."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from engine.core.sampling import SamplingParams
@@ -45,14 +45,29 @@ class Sampled:
     logprobs: list[TokenLogprobs | None] | None = None
 
 
-def read_logprobs(n_rows: int, rows: list[int], ks: list[int], values: list[list[float]],
-                  ids: list[list[int]]) -> list[TokenLogprobs | None]:
-    """Per row of a step, from the read-back [n, 1 + k] tables of the rows that asked: values hold the sampled
-    token's logprob then the top k logprobs, ids the sampled token's rank then the top k ids."""
-    out: list[TokenLogprobs | None] = [None] * n_rows
-    for row, k, v, i in zip(rows, ks, values, ids):
-        out[row] = TokenLogprobs(v[0], i[0], list(zip(i[1:1 + k], v[1:1 + k])))
-    return out
+@dataclass(slots=True)
+class PickedLogprobs:
+    """A step's logprobs as the runner's arrays (torch tensors, MLX arrays), still on the device."""
+    rows: list[int]               # the step's rows that asked, in order
+    ks: list[int]                 # how many top tokens each asked for
+    values: Any                   # [n, 1 + k] fp32: the sampled token's logprob, then the top k
+    ids: Any                      # [n, 1 + k] ints: the sampled token's rank, then the top k ids
+
+    def remap(self, rows: list[int]) -> PickedLogprobs:
+        """The same results for a step whose sampled rows were rows[0], rows[1], ... of a larger step."""
+        return replace(self, rows=[rows[i] for i in self.rows])
+
+    def read(self, n_rows: int) -> list[TokenLogprobs | None]:
+        """Per row of the step (None for rows that did not ask); waits for the device."""
+        out: list[TokenLogprobs | None] = [None] * n_rows
+        for row, k, v, i in zip(self.rows, self.ks, self.values.tolist(), self.ids.tolist()):
+            out[row] = TokenLogprobs(v[0], i[0], list(zip(i[1:1 + k], v[1:1 + k])))
+        return out
+
+
+def logprob_rows(rows: list[Row]) -> list[int]:
+    """The rows whose requests asked for logprobs."""
+    return [i for i, r in enumerate(rows) if r.params is not None and r.params.logprobs is not None]
 
 
 class ModelRunner(Protocol):

@@ -10,16 +10,15 @@ import mlx.core as mx
 
 from engine.core.sampling import SamplingParams
 from engine.models.qwen2_mlx import load_mlx
-from engine.runners.base import Geometry, Row, Sampled, flatten, in_order
+from engine.runners.base import Geometry, PickedLogprobs, Row, Sampled, flatten, in_order, logprob_rows
 from engine.runners.mlx import attention as mlx_attention
 from engine.runners.mlx import logprobs
-from engine.runners.mlx.logprobs import ArrayLogprobs
 
 
 @dataclass(slots=True)
 class Step:
     tokens: mx.array      # [rows] int32, -1 where a row did not sample
-    logprobs: ArrayLogprobs | None = None     # of the rows that asked
+    logprobs: PickedLogprobs | None = None     # of the rows that asked
 
 
 class MLXRunner:
@@ -79,8 +78,8 @@ class MLXRunner:
     def release(self, seq: int) -> None:
         self.keys.pop(seq, None)
 
-    def _sample(self, logits: mx.array, rows: list[Row]) -> tuple[mx.array, ArrayLogprobs | None]:
-        asked = logprobs.wanted(rows)
+    def _sample(self, logits: mx.array, rows: list[Row]) -> tuple[mx.array, PickedLogprobs | None]:
+        asked = logprob_rows(rows)
         raw = logprobs.raw(logits, asked) if asked else None         # before the bans below
         for i, row in enumerate(rows):
             if row.ban:

@@ -1,22 +1,17 @@
 """Logprobs on the device, computed in the step that samples and read back with its tokens, so lookahead keeps
 overlapping. As vLLM's default (logprobs_mode raw_logprobs), they are the log-softmax of the model's logits before
-any processing: no min_tokens ban, temperature, top-k or top-p."""
+any processing: no bias, penalty, min_tokens ban, temperature, top-k or top-p."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from engine.runners.base import Row, TokenLogprobs, read_logprobs
+from engine.runners.base import PickedLogprobs
 
 
 @dataclass(slots=True)
-class DeviceLogprobs:
-    rows: list[int]                   # the step's rows that asked, in order
-    ks: list[int]                     # how many top tokens each asked for
-    values: torch.Tensor              # [n, 1 + k] fp32: the sampled token's logprob, then the top k
-    ids: torch.Tensor                 # [n, 1 + k] int64: the sampled token's rank, then the top k ids
-
+class DeviceLogprobs(PickedLogprobs):
     def to_host(self) -> DeviceLogprobs:
         """Pinned copies queued on the current stream (CUDA); the caller's event marks them ready."""
         values = torch.empty(self.values.shape, dtype=self.values.dtype, pin_memory=True)
@@ -25,20 +20,9 @@ class DeviceLogprobs:
         ids.copy_(self.ids, non_blocking=True)
         return DeviceLogprobs(self.rows, self.ks, values, ids)
 
-    def remap(self, rows: list[int]) -> DeviceLogprobs:
-        """The same results for a step whose sampled rows were rows[0], rows[1], ... of a larger step."""
-        return DeviceLogprobs([rows[i] for i in self.rows], self.ks, self.values, self.ids)
-
-    def read(self, n_rows: int) -> list[TokenLogprobs | None]:
-        return read_logprobs(n_rows, self.rows, self.ks, self.values.tolist(), self.ids.tolist())
-
-
-def wanted(rows: list[Row]) -> list[int]:
-    return [i for i, r in enumerate(rows) if r.params is not None and r.params.logprobs is not None]
-
 
 def raw(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """[n, V] log-softmax of the asking rows' logits; take it before sampling masks the logits in place."""
+    """[n, V] log-softmax of the asking rows' logits; take it before anything changes the logits in place."""
     return torch.log_softmax(logits[rows], dim=-1)
 
 

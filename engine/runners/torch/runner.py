@@ -11,7 +11,7 @@ from engine import kernels
 from engine.core.sampling import SamplingParams
 from engine.kernels import cpu_gemv, cpu_pointwise
 from engine.models.loader import load_model
-from engine.runners.base import Geometry, Row, Sampled, flatten, in_order
+from engine.runners.base import Geometry, Row, Sampled, flatten, in_order, logprob_rows
 from engine.runners.torch import attention as torch_attention
 from engine.runners.torch import logprobs
 from engine.runners.torch.compiled import CompiledDecode
@@ -139,7 +139,7 @@ class TorchRunner:
         return self._finish(tokens, found and found.remap(picked))
 
     def _sample(self, logits: torch.Tensor, rows: list[Row]) -> tuple[torch.Tensor, DeviceLogprobs | None]:
-        asked = logprobs.wanted(rows)
+        asked = logprob_rows(rows)
         raw = logprobs.raw(logits, asked) if asked else None         # before anything changes the logits
         self.penalties.apply(logits, rows)
         tokens = sample(logits, rows, self.generator_for)
