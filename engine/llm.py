@@ -7,23 +7,58 @@ from typing import Any
 from engine.config import EngineConfig, from_kwargs
 from engine.core.engine import Engine
 from engine.core.output import Delta, PositionLogprobs
+from engine.core.request import Request
 from engine.core.sampling import SamplingParams
 
 Prompt = str | list[int]
 
 
 @dataclass(slots=True)
+class CompletionOutput:
+    """One sequence of a request (vLLM's name and fields)."""
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[PositionLogprobs] | None = None     # per generated token, when params.logprobs is set
+    cumulative_logprob: float | None = None
+
+    @classmethod
+    def of(cls, seq: Request) -> "CompletionOutput":
+        cumulative = None if seq.logprobs is None else seq.cumulative_logprob
+        return cls(seq.index, seq.text, seq.output_ids, seq.finish_reason, seq.logprobs, cumulative)
+
+
+@dataclass(slots=True)
 class RequestOutput:
+    """A request's result. `outputs`: one CompletionOutput per sequence (n of them); the fields below it repeat the
+    first sequence's, for the common n = 1."""
     request_id: int
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
+    outputs: list[CompletionOutput]
     num_prompt_tokens: int
     cached_tokens: int
     error: str | None = None
-    logprobs: list[PositionLogprobs] | None = None     # per generated token, when params.logprobs is set
-    cumulative_logprob: float | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[PositionLogprobs] | None:
+        return self.outputs[0].logprobs
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return self.outputs[0].cumulative_logprob
 
 
 class LLM:
@@ -55,6 +90,5 @@ class LLM:
                 engine.add(pending.pop(0))
             engine.step()
         finals = [self.finals.pop(r.id) for r in reqs]
-        return [RequestOutput(r.id, r.prompt_ids, r.output_ids, r.text, r.finish_reason, len(r.prompt_ids),
-                              d.cached_tokens, r.error, r.logprobs,
-                              None if r.logprobs is None else r.cumulative_logprob) for r, d in zip(reqs, finals)]
+        return [RequestOutput(r.id, r.prompt_ids, [CompletionOutput.of(s) for s in r.group or [r]],
+                              len(r.prompt_ids), d.cached_tokens, r.error) for r, d in zip(reqs, finals)]

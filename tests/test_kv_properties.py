@@ -2,7 +2,8 @@
 small paged pool with a prompt cache. After every operation the bookkeeping must hold: ref counts match the tables
 that name each block, free + used + cached = total, the free map agrees with the counts, every cached hash maps to
 a block that really holds those tokens (no stale mapping after a block is reused), and no shared block is ever
-written (PagedKV.slots checks every slot it hands out)."""
+written (PagedKV.slots checks every slot it hands out). Forks (parallel sampling) share a sequence's blocks and
+copy the shared tail on their first write."""
 from __future__ import annotations
 
 from collections import Counter
@@ -26,10 +27,13 @@ class PagedKVMachine(RuleBasedStateMachine):
         super().__init__()
         self.cache = PrefixCache(BS)
         self.pool = BlockPool(BLOCKS, BS, index=self.cache)
-        self.kv = PagedKV(self.pool, self.cache)
+        self.kv = PagedKV(self.pool, self.cache, self._copy)
         self.running: list[Request] = []
         self.truth: dict[int, dict[int, int]] = {}      # block -> {offset: token} actually written there
         self.ids = 0
+
+    def _copy(self, src: int, dst: int) -> None:
+        self.truth[dst] = dict(self.truth.get(src, {}))
 
     def _write(self, req: Request, start: int, end: int) -> None:
         for slot, pos in zip(self.kv.slots(req, start, end), range(start, end)):
@@ -66,6 +70,17 @@ class PagedKVMachine(RuleBasedStateMachine):
         req.num_computed = req.num_allocated = p + 1
         self.kv.commit(req)
         req.output_ids.append(token)
+
+    @precondition(lambda self: self.running and len(self.running) < 6)
+    @rule(i=st.integers(0, 3))
+    def fork(self, i):
+        """A sequence of a parallel-sampling request takes a copy of another's KV and output so far."""
+        src = self.running[i % len(self.running)]
+        seq = Request(self.ids, src.prompt_ids, src.params, output_ids=list(src.output_ids))
+        self.ids += 1
+        self.kv.fork(src, seq)
+        seq.num_computed = seq.num_allocated = src.num_computed
+        self.running.append(seq)
 
     @precondition(lambda self: self.running)
     @rule(i=st.integers(0, 3))

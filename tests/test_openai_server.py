@@ -161,6 +161,36 @@ def test_penalties_with_the_openai_client(server, tiny_dir):
     assert set(biased.model_extra["token_ids"]) == {7}
 
 
+def test_n_choices_with_the_openai_client(server, tiny_dir):
+    """n=3: three choices, each the engine's sequence (seeded: reproducible, sequence i seeded seed + i as vLLM
+    does), whole and streamed, completions and chat; usage counts every choice's tokens."""
+    from openai import OpenAI
+    client = OpenAI(base_url=f"http://{server}/v1", api_key="none")
+    args = dict(model="tiny0", prompt=PROMPT, max_tokens=7, temperature=1.0, seed=5, n=3,
+                extra_body={"ignore_eos": True})
+    out = client.completions.create(**args)
+    want = LLM(model=tiny_dir, dtype="float32").generate(PROMPT, SamplingParams(
+        n=3, max_tokens=7, temperature=1.0, seed=5, ignore_eos=True))[0]
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.model_extra["token_ids"] for c in out.choices] == [o.token_ids for o in want.outputs]
+    assert [c.text for c in out.choices] == [o.text for o in want.outputs]
+    assert out.usage.completion_tokens == 21 and client.completions.create(**args).choices == out.choices
+    streamed: dict[int, list[int]] = {}
+    finish = {}
+    for chunk in client.completions.create(**args, stream=True, stream_options={"include_usage": True}):
+        for c in chunk.choices:
+            streamed.setdefault(c.index, []).extend(c.model_extra["token_ids"])
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+        if chunk.usage:
+            assert chunk.usage.completion_tokens == 21
+    assert [streamed[i] for i in range(3)] == [o.token_ids for o in want.outputs]
+    assert finish == {0: "length", 1: "length", 2: "length"}
+    chat = client.chat.completions.create(model="tiny0", messages=[{"role": "user", "content": "hi"}], n=2,
+                                          max_tokens=4, temperature=1.0, seed=1)
+    assert [c.index for c in chat.choices] == [0, 1] and all(c.message.content is not None for c in chat.choices)
+    assert metric(server, "pagoda_kv_blocks", state="used") == 0
+
+
 def test_models_health_metrics(server):
     models = json.loads(urllib.request.urlopen(f"http://{server}/v1/models").read())
     assert [m["id"] for m in models["data"]] == ["tiny0"]

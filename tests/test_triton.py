@@ -99,6 +99,43 @@ def test_penalties_and_logit_bias_in_sampling_parameters(server, tiny_dir):
     assert error is None and [int(i) for r in responses for i in r["output_ids"]] == want.token_ids
 
 
+def test_n_sequences_carry_one_element_each(server, tiny_dir):
+    """vllm_backend's n > 1: text_output, finish_reason, num_output_tokens, logprobs and cumulative_logprob have one
+    element per sequence in every response; streamed, each response's elements are what each sequence gained."""
+    ids = random_ids(50, seed=12)
+    want = LLM(model=tiny_dir, dtype="float32").generate(ids, SamplingParams(
+        n=3, max_tokens=6, temperature=1.0, seed=4, ignore_eos=True, logprobs=1))[0]
+    sent = {"n": "3", "max_tokens": 6, "temperature": 1.0, "seed": 4, "ignore_eos": True, "logprobs": 1}
+    flags = dict(return_finish_reason=True, return_num_output_tokens=True, return_cumulative_logprob=True,
+                 return_logprobs=True)
+    responses, error = collect(server, grpc_inputs(ids, sent, **flags))
+    assert error is None and len(responses) == 18 and responses[-1]["final"]
+    assert all(len(r[name]) == 3 for r in responses for name in ("text_output", "finish_reason",
+                                                                  "num_output_tokens", "logprobs"))
+    for i, seq in enumerate(want.outputs):
+        assert "".join(r["text_output"][i].decode() for r in responses) == seq.text
+        assert sum(int(r["num_output_tokens"][i]) for r in responses) == 6
+        positions = [p for r in responses for p in json.loads(r["logprobs"][i])]
+        assert [float(p[str(t)]["logprob"]) for p, t in zip(positions, seq.token_ids)] == \
+            pytest.approx([p[t].logprob for p, t in zip(seq.logprobs, seq.token_ids)], abs=1e-4)
+        assert float(responses[-1]["cumulative_logprob"][i]) == pytest.approx(seq.cumulative_logprob, abs=1e-3)
+    assert [x.decode() for x in responses[-1]["finish_reason"]] == ["length"] * 3
+    assert b"None" in responses[0]["finish_reason"]        # a sequence still running, as vllm_backend says it
+    whole, error = collect(server, grpc_inputs(ids, sent, stream=False, **flags))
+    assert error is None and len(whole) == 1
+    assert [t.decode() for t in whole[0]["text_output"]] == [o.text for o in want.outputs]
+    assert whole[0]["num_output_tokens"].tolist() == [6, 6, 6]
+    assert whole[0]["output_ids"].tolist() == [t for o in want.outputs for t in o.token_ids]
+    status, body = http(server, "/v2/models/llm/generate", {"input_ids": ids, "sampling_parameters": json.dumps(sent),
+                                                             "return_finish_reason": True})
+    assert status == 200 and json.loads(body)["text_output"] == [o.text for o in want.outputs]
+    for bad, message in (({"n": 0}, "n: must be >= 1"), ({"n": "x"}, "n: expected an integer"),
+                         ({"n": 64}, "n: 64 sequences exceed max_batch_size")):
+        _, error = collect(server, grpc_inputs(ids, bad))
+        assert error is not None and message in str(error)
+    wait_until(lambda: scrape(server.metrics_url, "pagoda_kv_blocks", state="used") == 0, "the blocks to return")
+
+
 def test_token_ids_input(server, tiny_dir):
     ids = random_ids(40, seed=3)
     responses, error = collect(server, grpc_inputs(ids, {"max_tokens": 5, "temperature": 0}))

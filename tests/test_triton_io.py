@@ -49,12 +49,25 @@ def test_engine_errors_use_triton_names():
 
 
 def test_outputs():
-    out = triton_io.outputs("hé", [5, 6], ["finish_reason", "cached_tokens"], "stop", 10, 8)
+    Part = triton_io.Part
+    out = triton_io.outputs([Part("hé", [5, 6], "stop")], ["finish_reason", "cached_tokens"], 10, 8)
     assert out["text_output"][0].decode() == "hé" and out["output_ids"].dtype == np.int32
     assert out["finish_reason"][0] == b"stop" and out["cached_tokens"].tolist() == [8]
     assert "num_input_tokens" not in out
-    counted = triton_io.outputs("x", [5, 6, 7], ["num_output_tokens", "num_input_tokens"], None, 10, 0)
+    counted = triton_io.outputs([Part("x", [5, 6, 7])], ["num_output_tokens", "num_input_tokens", "finish_reason"],
+                                10, 0)
     assert counted["num_output_tokens"].tolist() == [3] and counted["num_input_tokens"].tolist() == [10]
+    assert counted["finish_reason"].tolist() == [b"None"]          # vllm_backend: str(None) while it runs
+
+
+def test_outputs_carry_one_element_per_sequence():
+    Part = triton_io.Part
+    parts = [Part("a", [1], None, [], 0.0), Part("", [], "length", [], -1.5), Part("bc", [2, 3], "stop", [], -2.0)]
+    out = triton_io.outputs(parts, ["finish_reason", "num_output_tokens", "cumulative_logprob", "logprobs"], 4, 0)
+    assert out["text_output"].tolist() == [b"a", b"", b"bc"]
+    assert out["finish_reason"].tolist() == [b"None", b"length", b"stop"]
+    assert out["num_output_tokens"].tolist() == [1, 0, 2] and out["output_ids"].tolist() == [1, 2, 3]
+    assert out["cumulative_logprob"].tolist() == [0.0, -1.5, -2.0] and out["logprobs"].tolist() == [b"[]"] * 3
 
 
 class FakeMetric:

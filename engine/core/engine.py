@@ -6,6 +6,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 from engine.config import EngineConfig
 from engine.core.lookahead import Lookahead
@@ -49,6 +50,8 @@ class Engine:
         self.on_delta = on_delta
         self.requests: dict[int, Request] = {}
         self.ids = itertools.count()
+        self.fork_ids = itertools.count(-1, -1)      # parallel sampling's extra sequences: never a client's id
+        self.forking: list[Request] = []             # first sequences whose prefill their forks wait for
         self.cancels: deque[int] = deque()
         self.steps = 0
         self.failpoints = config.failpoints
@@ -61,7 +64,7 @@ class Engine:
         runner.init_paged(num_blocks, config.block_size)
         cache = PrefixCache(config.block_size) if config.prompt_cache else None
         self.pool = BlockPool(num_blocks, config.block_size, config.contiguous_blocks, cache)
-        return PagedKV(self.pool, cache)
+        return PagedKV(self.pool, cache, runner.copy_block)
 
     def _auto_blocks(self) -> int:
         per_block = self.runner.bytes_per_token * self.config.block_size
@@ -96,15 +99,29 @@ class Engine:
         for t in params.logit_bias or ():
             if t >= self.runner.vocab_size:
                 raise ValueError(f"logit_bias: token id {t} is outside the vocabulary [0, {self.runner.vocab_size})")
+        if params.n > self.config.max_batch_size:
+            raise ValueError(f"n: {params.n} sequences exceed max_batch_size ({self.config.max_batch_size})")
         req = Request(next(self.ids) if request_id is None else request_id, ids, params)
+        if params.n > 1:
+            req.group = [req]
+            for i in range(1, params.n):          # as vLLM: each sequence n=1, a seeded one seed + its index
+                seed = None if params.seed is None else params.seed + i
+                req.group.append(Request(next(self.fork_ids), ids, replace(params, n=1, seed=seed), index=i,
+                                         group=req.group))
+            req.params = replace(params, n=1)
+            req.forks = req.group[1:]
         if not self.kv.fits(req):
             raise ValueError(f"{field}: {len(ids)} tokens need more KV blocks than the pool holds")
-        req.detok = self.tokenizer.detokenizer(params.skip_special_tokens)
+        for seq in req.group or [req]:
+            seq.detok = self.tokenizer.detokenizer(params.skip_special_tokens)
         return req
 
     def add(self, req: Request) -> Request:
         self.scheduler.add(req)
-        self.requests[req.id] = req
+        for seq in req.group or [req]:
+            self.requests[seq.id] = seq
+        if req.forks:
+            self.forking.append(req)
         return req
 
     def abort(self, request_id: int) -> None:
@@ -124,6 +141,7 @@ class Engine:
         for req in too_big:
             self._finish(req, "error", "prompt: needs more KV blocks than the pool holds")
         self._prefill()
+        self._fork()
         self.steps += 1
         if self.steps in self.failpoints:
             raise RuntimeError(f"failpoint: injected failure in step {self.steps}")
@@ -135,16 +153,18 @@ class Engine:
         self.lookahead.reset()
         for req in [*self.scheduler.running, *self.scheduler.waiting]:
             req.num_allocated = req.num_computed
-            self._finish(req, "error", message)
+            if not req.finished:            # a first sequence's pending forks end with it
+                self._finish(req, "error", message)
         self._gauges()
 
     def _reap_cancels(self) -> None:
         while self.cancels:
-            req = self.requests.get(self.cancels.popleft())
-            if req is not None and not req.finished:
-                req.cancelled = True
-                if req.in_flight == 0:
-                    self._finish(req, "abort")
+            first = self.requests.get(self.cancels.popleft())
+            for req in () if first is None else first.group or [first]:
+                if not req.finished:
+                    req.cancelled = True
+                    if req.in_flight == 0:
+                        self._finish(req, "abort")
 
     def _prefill(self) -> None:
         plan = self.scheduler.prefill_plan()
@@ -155,7 +175,8 @@ class Engine:
             start, end = req.num_computed, req.num_computed + n
             rows.append(Row(req.id, start, req.all_ids[start:end], slots=self.kv.slots(req, start, end),
                             block_table=req.block_table, buf=req.buf, params=req.params, ban=self._ban(req),
-                            sample=end == req.prefill_target and not req.output_ids, prompt=self._prompt(req)))
+                            sample=end == req.prefill_target and not req.output_ids and req.group is None,
+                            prompt=self._prompt(req)))
             req.num_allocated = end
         sampled = self.runner.fetch(self.runner.forward(rows, None))
         logprobs = sampled.logprobs or [None] * len(rows)
@@ -164,6 +185,18 @@ class Engine:
             self.kv.commit(req)
             if row.sample:
                 self._append(req, token, lp)
+
+    def _fork(self) -> None:
+        """Sequences whose first sequence's prefill is done share its KV and join the batch; each then samples its
+        first token in its own decode step (fed the prompt's last token), with its own sampler state."""
+        for first in [r for r in self.forking if r.finished or (r.status is Status.RUNNING and not r.prefilling)]:
+            self.forking.remove(first)
+            for seq in first.forks if not first.finished else ():
+                self.kv.fork(first, seq)
+                seq.num_computed = seq.num_allocated = first.num_computed
+                seq.num_cached, seq.arrival = first.num_cached, first.arrival
+                self.scheduler.join(seq)
+            first.forks = []
 
     def _decode(self) -> None:
         started = time.thread_time()
@@ -200,7 +233,8 @@ class Engine:
         n_prompt = len(req.prompt_ids)
         tokens = [] if prev >= 0 else [req.prompt_ids[p] if p < n_prompt else req.output_ids[p - n_prompt]]
         return Row(req.id, p, tokens, prev=prev, slots=self.kv.slots(req, p, p + 1), block_table=req.block_table,
-                   buf=req.buf, params=req.params, ban=self._ban(req), fed_output=True, prompt=self._prompt(req))
+                   buf=req.buf, params=req.params, ban=self._ban(req), fed_output=p >= n_prompt,
+                   prompt=self._prompt(req))
 
     @staticmethod
     def _prompt(req: Request) -> list[int] | None:
@@ -229,6 +263,7 @@ class Engine:
             self.on_delta(self.output.delta(req))
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        forks, req.forks = req.forks, []
         if self.lookahead.unwind(req, self.kv.trim):
             self.metrics.unwinds.inc()
         table = contiguity(req.block_table) if self.pool is not None else None
@@ -239,6 +274,8 @@ class Engine:
         self.recorder.finished(req, table)
         self._gauges()          # before the final delta goes out: a front end may read the gauges on it
         self.on_delta(self.output.delta(req, final=True))
+        for seq in forks:       # never forked: they end as their first sequence did
+            self._finish(seq, reason, error)
 
     def _gauges(self) -> None:
         self.recorder.gauges(self.kv.stats(), len(self.scheduler.running), len(self.scheduler.waiting))

@@ -21,24 +21,26 @@ PositionLogprobs = dict[int, Logprob]          # token id -> Logprob: the sample
 
 @dataclass(slots=True)
 class Delta:
-    """What a request gained since its last delta; the last one has `finished` set."""
+    """What one sequence of a request gained since its last delta. A sequence's last delta has its finish_reason;
+    the request's last delta (its last sequence's) has `finished` set too. n = 1: one sequence, index 0."""
     request_id: int
     token_ids: list[int]
     text: str
     finished: bool = False
-    finish_reason: str | None = None      # stop | length | abort | error
+    finish_reason: str | None = None      # stop | length | abort | error: this sequence ended
     error: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list[PositionLogprobs] | None = None     # one per token in token_ids, when asked for
     cumulative_logprob: float | None = None            # over all tokens so far, when logprobs were asked for
+    index: int = 0                                     # the sequence (parallel sampling, n > 1)
 
     def __reduce__(self):
         # Pickled per token across the process boundary: positional fields, not a slot-state dict.
         return Delta, (self.request_id, self.token_ids, self.text, self.finished, self.finish_reason, self.error,
                        self.num_prompt_tokens, self.num_output_tokens, self.cached_tokens, self.logprobs,
-                       self.cumulative_logprob)
+                       self.cumulative_logprob, self.index)
 
 
 class Output:
@@ -73,8 +75,10 @@ class Output:
         end = len(req.text)
         if not final and req.params.stop:
             end = max(req.sent_text, end - max(len(s) for s in req.params.stop) + 1)
-        delta = Delta(req.id, req.output_ids[req.sent_ids:], req.text[req.sent_text:end], final, req.finish_reason,
-                      req.error, len(req.prompt_ids), len(req.output_ids), max(req.num_cached, 0))
+        done = final and all(s.finished for s in req.group or ())
+        delta = Delta(req.group_id, req.output_ids[req.sent_ids:], req.text[req.sent_text:end], done,
+                      req.finish_reason, req.error, len(req.prompt_ids), len(req.output_ids), max(req.num_cached, 0),
+                      index=req.index)
         if req.logprobs is not None:
             delta.logprobs, delta.cumulative_logprob = req.logprobs[req.sent_ids:], req.cumulative_logprob
         req.sent_ids, req.sent_text = len(req.output_ids), end

@@ -34,7 +34,8 @@ class Recorder:
         now = time.monotonic()
         if not req.output_ids:
             req.first_token_at = now
-            self.metrics.observe("pagoda_time_to_first_token_seconds", now - req.arrival)
+            if req.group is None or not any(s.output_ids for s in req.group):     # a request's first token
+                self.metrics.observe("pagoda_time_to_first_token_seconds", now - req.arrival)
         req.last_token_at = now
         self.metrics.generation_tokens.inc()
 
@@ -50,22 +51,28 @@ class Recorder:
             req.decode_cpu += cpu / len(batch)
 
     def finished(self, req: Request, table: tuple[int, int] | None) -> None:
-        """A request ended (its finish_reason set); `table`: its block table's contiguity (paged)."""
+        """A sequence ended (its finish_reason set); `table`: its block table's contiguity (paged). A request is
+        counted, and logged, when its last sequence ends (n > 1: with the output of all of them)."""
         m, now, reason = self.metrics, time.monotonic(), req.finish_reason
         if table is not None:
             m.count_table(*table)
-        m.requests.labels(status=STATUS[reason]).inc()
-        m.observe("pagoda_e2e_request_latency_seconds", now - req.arrival)
         n = len(req.output_ids)
         decode, cpu = 0.0, 1000 * req.decode_cpu / max(1, n - 1)
         if n > 1 and req.last_token_at > req.first_token_at:
             per_token = (req.last_token_at - req.first_token_at) / (n - 1)
             m.observe("pagoda_time_per_output_token_seconds", per_token)
             decode = 1.0 / per_token
-        ttft = (req.first_token_at - req.arrival) * 1000 if req.first_token_at else 0.0
-        log.info("prompt-cache: request completed cached=%d/%d id=%d output=%d reason=%s ttft=%.1fms "
-                 "decode=%.1ftok/s decode_cpu=%.2fms/tok",
-                 max(req.num_cached, 0), len(req.prompt_ids), req.id, n, reason, ttft, decode, cpu)
+        seqs = req.group or [req]
+        if not all(s.finished or s is req for s in seqs):
+            return
+        m.requests.labels(status=STATUS[reason]).inc()
+        m.observe("pagoda_e2e_request_latency_seconds", now - req.arrival)
+        first = min((s.first_token_at for s in seqs if s.first_token_at), default=0.0)
+        ttft = (first - req.arrival) * 1000 if first else 0.0
+        width = f" n={len(seqs)}" if req.group else ""
+        log.info("prompt-cache: request completed cached=%d/%d id=%d output=%d%s reason=%s ttft=%.1fms "
+                 "decode=%.1ftok/s decode_cpu=%.2fms/tok", max(req.num_cached, 0), len(req.prompt_ids),
+                 req.group_id, sum(len(s.output_ids) for s in seqs), width, reason, ttft, decode, cpu)
 
     def gauges(self, kv: dict[str, int], running: int, waiting: int) -> None:
         m = self.metrics

@@ -43,6 +43,21 @@ class Request:
     first_token_at: float = 0.0
     last_token_at: float = 0.0
     decode_cpu: float = 0.0               # engine-thread CPU seconds of the decode ticks it rode in, its share
+    # parallel sampling (n > 1): every sequence of the request, in index order (the first is the one that
+    # prefills); `forks`: the sequences still waiting for that prefill to finish, on the first one only
+    index: int = 0
+    group: list[Request] | None = None
+    forks: list[Request] = field(default_factory=list)
+
+    @property
+    def group_id(self) -> int:
+        """The id the client knows: the first sequence's."""
+        return self.id if self.group is None else self.group[0].id
+
+    @property
+    def width(self) -> int:
+        """Batch rows it takes once its pending forks join it."""
+        return 1 + len(self.forks)
 
     @property
     def all_ids(self) -> list[int]:
@@ -54,8 +69,9 @@ class Request:
 
     @property
     def prefill_target(self) -> int:
-        """Positions whose KV must exist before decoding: all but the last token once output exists."""
-        return self.seq_len - 1 if self.output_ids else len(self.prompt_ids)
+        """Positions whose KV must exist before decoding: all but the last token once output exists, or in a
+        parallel-sampling group (each sequence then samples its first token from its own decode step)."""
+        return self.seq_len - 1 if self.output_ids or self.group else len(self.prompt_ids)
 
     @property
     def prefilling(self) -> bool:

@@ -8,6 +8,7 @@ from typing import Any
 
 @dataclass(slots=True)
 class SamplingParams:
+    n: int = 1                        # sequences sampled from the prompt (prefilled once, then forked)
     max_tokens: int = 16
     min_tokens: int = 0
     temperature: float = 1.0
@@ -41,6 +42,7 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def validate(self) -> None:
+        _int("n", self.n, low=1)
         _int("max_tokens", self.max_tokens, low=1)
         _int("min_tokens", self.min_tokens, low=0)
         if self.min_tokens > self.max_tokens:
@@ -117,7 +119,7 @@ MAX_LOGPROBS = 20
 # vLLM SamplingParams keys (and vllm_backend's lora_name, the legacy guided_decoding and best_of) this server does
 # not honour yet -> the values that ask for nothing, which are accepted
 NOT_HONOURED: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "best_of": (None, 1), "prompt_logprobs": (None,), "prompt_logprob_token_ids": (None,),
+    "best_of": (None, 1), "prompt_logprobs": (None,), "prompt_logprob_token_ids": (None,),
     "prompt_logprob_start": (None,), "logprob_token_ids": (None,), "flat_logprobs": (False,),
     "detokenize": (True,), "spaces_between_special_tokens": (True,), "output_kind": (None,),
     "stream_interval": (None, 1), "skip_clone": (False, True), "structured_outputs": (None,),
@@ -125,7 +127,7 @@ NOT_HONOURED: dict[str, tuple[Any, ...]] = {
     "skip_reading_prefix_cache": (None, False), "thinking_token_budget": (None,), "repetition_detection": (None,),
     "routed_experts_prompt_start": (0,), "trace_decode_token_ids": (None,), "lora_name": (None, ""),
 }
-_INTS = {"max_tokens", "min_tokens", "top_k", "seed", "logprobs"}
+_INTS = {"n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs"}
 _FLOATS = {"temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"}
 
 

@@ -27,8 +27,10 @@ class Scheduler:
     def admit(self) -> tuple[list[Request], list[Request]]:
         """Move waiting requests into the batch while KV allows; returns (admitted, never-fitting)."""
         admitted, too_big = [], []
-        while self.waiting and len(self.running) < self.config.max_batch_size:
+        while self.waiting:
             req = self.waiting[0]
+            if len(self.running) + req.width > self.config.max_batch_size:
+                break
             if not self.kv.fits(req):
                 too_big.append(self.waiting.popleft())
                 continue
@@ -49,6 +51,11 @@ class Scheduler:
                 plan.append((req, n))
                 budget -= n
         return plan
+
+    def join(self, req: Request) -> None:
+        """A forked sequence joins the batch (its first sequence was admitted with room for it)."""
+        req.status = Status.RUNNING
+        self.running.append(req)
 
     def decoding(self) -> list[Request]:
         return [r for r in self.running if not r.prefilling]

@@ -20,9 +20,10 @@ INPUTS = [  # name, data_type, dims, optional
     *[(name, "TYPE_BOOL", [1], True) for name in EXTRAS],
 ]
 OUTPUTS = [
-    ("text_output", "TYPE_STRING", [-1]), ("output_ids", "TYPE_INT32", [-1]), ("finish_reason", "TYPE_STRING", [1]),
-    ("cumulative_logprob", "TYPE_FP32", [-1]), ("logprobs", "TYPE_STRING", [-1]),
-    ("num_input_tokens", "TYPE_UINT32", [1]), ("num_output_tokens", "TYPE_UINT32", [1]),
+    ("text_output", "TYPE_STRING", [-1]), ("output_ids", "TYPE_INT32", [-1]),
+    ("finish_reason", "TYPE_STRING", [-1]), ("cumulative_logprob", "TYPE_FP32", [-1]),
+    ("logprobs", "TYPE_STRING", [-1]),
+    ("num_input_tokens", "TYPE_UINT32", [1]), ("num_output_tokens", "TYPE_UINT32", [-1]),
     ("cached_tokens", "TYPE_UINT32", [1]),
 ]
 
@@ -93,23 +94,35 @@ def error_message(message: str) -> str:
     return "text_input:" + message[len("prompt:"):] if message.startswith("prompt:") else message
 
 
-def outputs(text: str, ids: list[int], extras: list[str], finish_reason: str | None, num_input: int,
-            cached: int, logprobs: list[PositionLogprobs] | None = None,
-            cumulative: float | None = None) -> dict[str, np.ndarray]:
-    """Output tensors of one response, as vllm_backend defines them. The return_* extras ride on every response:
-    finish_reason is empty until the last one; num_output_tokens counts the tokens in this response (the growth of
-    the output since the previous response), so a client that sums them gets the total; logprobs is the JSON of
-    this response's positions ([{token id: {logprob, rank, decoded_token}}], "null" when the request did not ask
+@dataclass(slots=True)
+class Part:
+    """One sequence's share of one response."""
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative: float | None = None
+
+
+def outputs(parts: list[Part], extras: list[str], num_input: int, cached: int) -> dict[str, np.ndarray]:
+    """Output tensors of one response, as vllm_backend defines them, with one element per sequence (n of them) in
+    text_output, finish_reason, num_output_tokens, logprobs and cumulative_logprob. The return_* extras ride on
+    every response: finish_reason is "None" while a sequence runs (vllm_backend sends str(None)); num_output_tokens
+    counts the sequence's tokens in this response, so a client that sums them gets the total; logprobs is the JSON
+    of this response's positions ([{token id: {logprob, rank, decoded_token}}], "null" when the request did not ask
     for logprobs); cumulative_logprob is the sum over all tokens so far (NaN when it did not ask, as vLLM V1
-    reports None)."""
-    out = {"text_output": np.array([text.encode("utf-8")], dtype=np.object_),
-           "output_ids": np.array(ids, dtype=np.int32)}
-    values = {"finish_reason": lambda: np.array([(finish_reason or "").encode()], dtype=np.object_),
+    reports None). output_ids (Pagoda's) is the sequences' ids of this response, concatenated in index order."""
+    def strings(values: list[str]) -> np.ndarray:
+        return np.array([v.encode("utf-8") for v in values], dtype=np.object_)
+    out = {"text_output": strings([p.text for p in parts]),
+           "output_ids": np.array([t for p in parts for t in p.ids], dtype=np.int32)}
+    values = {"finish_reason": lambda: strings([str(p.finish_reason) for p in parts]),
               "num_input_tokens": lambda: np.array([num_input], dtype=np.uint32),
-              "num_output_tokens": lambda: np.array([len(ids)], dtype=np.uint32),
+              "num_output_tokens": lambda: np.array([len(p.ids) for p in parts], dtype=np.uint32),
               "cached_tokens": lambda: np.array([cached], dtype=np.uint32),
-              "cumulative_logprob": lambda: np.array([np.nan if cumulative is None else cumulative], dtype=np.float32),
-              "logprobs": lambda: np.array([logprobs_json(logprobs).encode()], dtype=np.object_)}
+              "cumulative_logprob": lambda: np.array([np.nan if p.cumulative is None else p.cumulative
+                                                      for p in parts], dtype=np.float32),
+              "logprobs": lambda: strings([logprobs_json(p.logprobs) for p in parts])}
     out.update({name: values[name]() for name in extras})
     return out
 

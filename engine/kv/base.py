@@ -15,7 +15,12 @@ class KVStorage(Protocol):
         num_allocated to the adopted length); False, with nothing taken, when there is no room now."""
 
     def grow(self, req: Request, positions: int) -> bool:
-        """Make room for `positions` positions; False, with nothing taken, when there is no room now."""
+        """Make room for `positions` positions, the next one to be written private; False, with nothing taken,
+        when there is no room now."""
+
+    def fork(self, src: Request, dst: Request) -> None:
+        """Give `dst` the committed KV of `src` (parallel sampling): paged shares every block by reference and
+        copies a shared block only when a sequence first writes into it; dense copies the buffer."""
 
     def slots(self, req: Request, start: int, end: int) -> list[int]:
         """Flat cache slots the runner writes positions [start, end) to (paged; dense addresses by buffer)."""

@@ -15,6 +15,7 @@ class DenseBuffers(Protocol):
     def dense_alloc(self, capacity: int) -> int: ...
     def dense_resize(self, buf: int, capacity: int) -> None: ...
     def dense_free(self, buf: int) -> None: ...
+    def dense_copy(self, src: int, dst: int, positions: int) -> None: ...
 
 
 def round_up(n: int) -> int:
@@ -41,6 +42,10 @@ class DenseKV:
             self.grow(req, req.prefill_target + 1)
         req.num_computed = req.num_allocated = adopted
         return True
+
+    def fork(self, src: Request, dst: Request) -> None:
+        dst.buf = self._alloc(self.capacity[src.buf])
+        self.buffers.dense_copy(src.buf, dst.buf, src.num_computed)
 
     def grow(self, req: Request, positions: int) -> bool:
         if positions > self.capacity[req.buf]:

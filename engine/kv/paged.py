@@ -1,6 +1,8 @@
 """Paged KV: per-request block tables over a shared pool, with prefix adoption from the prompt cache."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from engine.core.request import Request
 from engine.kv.block_pool import BlockPool
 from engine.kv.prefix_cache import PrefixCache, block_hash
@@ -16,14 +18,17 @@ def contiguity(table: list[int]) -> tuple[int, int]:
 
 
 class PagedKV:
-    def __init__(self, pool: BlockPool, cache: PrefixCache | None) -> None:
+    def __init__(self, pool: BlockPool, cache: PrefixCache | None, copy: Callable[[int, int], None]) -> None:
         self.pool = pool
         self.cache = cache
+        self.copy = copy            # the runner's block copy (src, dst), ordered before the next step's writes
         self.bs = pool.block_size
+        self.copies = 0             # copy-on-write block copies made
 
     def fits(self, req: Request) -> bool:
-        """Whether the request could ever run: its prefill plus one decode position fits an empty pool."""
-        return cdiv(req.prefill_target + 1, self.bs) <= self.pool.num_blocks
+        """Whether the request could ever run: its prefill plus one decode position (each fork: one more block
+        for its private tail) fits an empty pool."""
+        return cdiv(req.prefill_target + 1, self.bs) + len(req.forks) <= self.pool.num_blocks
 
     def admit(self, req: Request) -> bool:
         """Adopt the longest cached prefix and allocate blocks for the rest of the prefill; False if no room."""
@@ -46,14 +51,31 @@ class PagedKV:
         req.num_computed = req.num_allocated = n_adopt * self.bs
         return True
 
+    def fork(self, src: Request, dst: Request) -> None:
+        for b in src.block_table:
+            self.pool.adopt(b)
+        dst.block_table = list(src.block_table)
+        dst.block_hashes = list(src.block_hashes)
+
     def grow(self, req: Request, positions: int) -> bool:
-        """Ensure blocks cover `positions`; False (nothing allocated) if the pool cannot."""
-        needed = cdiv(positions, self.bs) - len(req.block_table)
-        if needed <= 0:
+        """Ensure blocks cover `positions` and the block of the next write is private (a forked sequence's shared
+        tail is copied on its first write); False (nothing allocated) if the pool cannot."""
+        table = req.block_table
+        at = req.num_allocated // self.bs
+        shared = at < len(table) and self.pool.ref[table[at]] > 1
+        needed = cdiv(positions, self.bs) - len(table)
+        if needed <= 0 and not shared:
             return True
-        if not self.pool.can_allocate(needed):
+        if not self.pool.can_allocate(max(0, needed) + shared):
             return False
-        req.block_table.extend(self.pool.allocate_run(needed, req.block_table[-1] if req.block_table else None))
+        if shared:
+            block = self.pool.allocate(table[at - 1] if at else None)
+            self.copy(table[at], block)
+            self.pool.release(table[at])
+            table[at] = block
+            self.copies += 1
+        if needed > 0:
+            table.extend(self.pool.allocate_run(needed, table[-1] if table else None))
         return True
 
     def slots(self, req: Request, start: int, end: int) -> list[int]:

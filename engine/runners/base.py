@@ -88,6 +88,10 @@ class ModelRunner(Protocol):
     def dense_alloc(self, capacity: int) -> int: ...
     def dense_resize(self, buf: int, capacity: int) -> None: ...
     def dense_free(self, buf: int) -> None: ...
+    def dense_copy(self, src: int, dst: int, positions: int) -> None:
+        """Copy a dense buffer's first `positions` positions into another (a forked sequence's own KV)."""
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one KV block, all layers (copy-on-write of a forked sequence's shared tail)."""
 
 
 @dataclass(slots=True)

@@ -17,6 +17,27 @@ from engine.frontends.openai.protocol import ChatCompletionRequest, CompletionRe
 from engine.serving.client import EngineClient
 
 
+class Choices:
+    """Per choice (one per sequence, by index): the echoed prompt before its first text, its logprobs' shaper."""
+
+    def __init__(self, chat: bool, top: int | None, echoed: str) -> None:
+        self.chat, self.top, self.echoed = chat, top, echoed
+        self.shapers: dict[int, Shaper] = {}
+
+    def text(self, index: int, text: str) -> str:
+        first = index not in self.shapers
+        self.shapers.setdefault(index, Shaper(self.chat, self.top, len(self.echoed)))
+        return self.echoed + text if first else text
+
+    def logprobs(self, index: int, positions, tokens: list[int]):
+        return self.shapers[index](positions, tokens)
+
+
+def completion_tokens(deltas: list[Delta]) -> int:
+    """All sequences' output tokens: each sequence's last delta counts its whole output."""
+    return sum({d.index: d.num_output_tokens for d in deltas}.values())
+
+
 def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param}}, status_code=status)
 
@@ -77,51 +98,60 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
             message = str(e)
             return error(400, message, message.split(":", 1)[0])
         echoed = ""
-        if not chat and body.echo:             # completions: the prompt's text leads the first choice's text
+        if not chat and body.echo:             # completions: the prompt's text leads each choice's text
             echoed = prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt)
-            first.text = echoed + first.text
-        shape = Shaper(chat, params.logprobs, len(echoed))
+        choices = Choices(chat, params.logprobs, echoed)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if body.stream:
-            return StreamingResponse(sse(rid, kind, body, first, stream, chat, shape),
+            return StreamingResponse(sse(rid, kind, body, first, stream, chat, choices),
                                      media_type="text/event-stream")
-        out, failure = await whole(rid, kind, first, stream, chat, shape)
+        out, failure = await whole(rid, kind, first, stream, chat, choices)
         return error(500, failure, kind="server_error") if failure else JSONResponse(out)
 
     async def whole(rid: str, kind: str, first: Delta, stream: AsyncIterator[Delta], chat: bool,
-                    shape: Shaper) -> tuple[dict, str | None]:
+                    choices: Choices) -> tuple[dict, str | None]:
         deltas = [first]
         while not deltas[-1].finished:
             deltas.append(await anext(stream))
+        failed = next((d for d in deltas if d.finish_reason == "error"), None)
+        by_index: dict[int, list[Delta]] = {}
+        for d in deltas:
+            by_index.setdefault(d.index, []).append(d)
+        out = []
+        for index, seq in sorted(by_index.items()):
+            text = choices.text(index, "".join(d.text for d in seq))
+            ids = [t for d in seq for t in d.token_ids]
+            positions = [p for d in seq for p in d.logprobs or ()]
+            choice = {"index": index, "finish_reason": seq[-1].finish_reason, "token_ids": ids,
+                      "logprobs": choices.logprobs(index, positions, ids)}
+            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+            out.append(choice)
         last = deltas[-1]
-        text = "".join(d.text for d in deltas)
-        ids = [t for d in deltas for t in d.token_ids]
-        positions = [p for d in deltas for p in d.logprobs or ()]
-        choice = {"index": 0, "finish_reason": last.finish_reason, "token_ids": ids, "logprobs": shape(positions, ids)}
-        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-        out = {"id": rid, "object": kind, "created": int(time.time()), "model": model_name, "choices": [choice],
-               "usage": usage(last.num_prompt_tokens, last.num_output_tokens, last.cached_tokens)}
-        return out, (last.error or "request failed") if last.finish_reason == "error" else None
+        result = {"id": rid, "object": kind, "created": int(time.time()), "model": model_name, "choices": out,
+                  "usage": usage(last.num_prompt_tokens, completion_tokens(deltas), last.cached_tokens)}
+        return result, (failed.error or "request failed") if failed else None
 
     async def sse(rid: str, kind: str, body, first: Delta, stream: AsyncIterator[Delta], chat: bool,
-                  shape: Shaper):
+                  choices: Choices):
         obj = "chat.completion.chunk" if chat else kind
-        d = first
+        d, seen = first, {}
         try:
             while True:
                 if d.finish_reason == "error":
                     yield f"data: {json.dumps({'error': {'message': d.error, 'type': 'server_error'}})}\n\n"
                     return
-                part = {"index": 0, "finish_reason": d.finish_reason if d.finished else None,
-                        "token_ids": d.token_ids, "logprobs": shape(d.logprobs, d.token_ids)}
-                part.update({"delta": {"content": d.text}} if chat else {"text": d.text})
+                seen[d.index] = d.num_output_tokens
+                text = choices.text(d.index, d.text)
+                part = {"index": d.index, "finish_reason": d.finish_reason, "token_ids": d.token_ids,
+                        "logprobs": choices.logprobs(d.index, d.logprobs, d.token_ids)}
+                part.update({"delta": {"content": text}} if chat else {"text": text})
                 yield f"data: {json.dumps({'id': rid, 'object': obj, 'model': model_name, 'choices': [part]})}\n\n"
                 if d.finished:
                     break
                 d = await anext(stream)
             if body.include_usage:
                 chunk = {"id": rid, "object": obj, "model": model_name, "choices": [],
-                         "usage": usage(d.num_prompt_tokens, d.num_output_tokens, d.cached_tokens)}
+                         "usage": usage(d.num_prompt_tokens, sum(seen.values()), d.cached_tokens)}
                 yield f"data: {json.dumps(chunk)}\n\n"
             yield "data: [DONE]\n\n"
         finally:

@@ -67,11 +67,10 @@ class _Sampling(BaseModel):
         if self.not_yet:
             name = next(iter(self.not_yet))
             raise ValueError(f"{name}: not supported by this server yet, got {self.not_yet[name]!r}")
-        if self.n != 1:
-            raise ValueError(f"n: only 1 is supported, got {self.n}")
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        return SamplingParams(max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
-                              min_tokens=self.min_tokens, temperature=self.temperature, top_p=self.top_p,
+        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
+        return SamplingParams(n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
+                              temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, seed=self.seed, stop=stop, stop_token_ids=self.stop_token_ids,
                               ignore_eos=self.ignore_eos, logprobs=self.top_tokens(),
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,

@@ -69,6 +69,19 @@ class MLXRunner:
     def dense_free(self, buf: int) -> None:
         del self.dense[buf]
 
+    def dense_copy(self, src: int, dst: int, positions: int) -> None:
+        with mx.stream(self._stream()):
+            for layer in range(self.layers):
+                for i in range(2):
+                    self.dense[dst][layer][i][:positions] = self.dense[src][layer][i][:positions]
+
+    def copy_block(self, src: int, dst: int) -> None:
+        bs = self.block_size
+        with mx.stream(self._stream()):
+            for cache in (self.k_cache, self.v_cache):
+                for layer in range(self.layers):
+                    cache[layer][dst * bs:(dst + 1) * bs] = cache[layer][src * bs:(src + 1) * bs]
+
     def check(self, params: SamplingParams) -> None:
         for name, off in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1),
                           ("min_p", 0), ("logit_bias", None)):

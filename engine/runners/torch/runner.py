@@ -92,6 +92,13 @@ class TorchRunner:
     def dense_free(self, buf: int) -> None:
         del self.dense[buf]
 
+    def dense_copy(self, src: int, dst: int, positions: int) -> None:
+        self.dense[dst][:, :, :positions] = self.dense[src][:, :, :positions]
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self.k_cache[:, dst] = self.k_cache[:, src]
+        self.v_cache[:, dst] = self.v_cache[:, src]
+
     def check(self, params: SamplingParams) -> None:
         pass                              # the torch runner honours every field SamplingParams has
 

@@ -44,9 +44,12 @@ class Stream:
     id: int = -1
     done: bool = False          # the engine is through with it (set on the engine thread)
     closed: bool = False        # its final response went out (set on the responder thread)
-    text: list[str] = field(default_factory=list)
-    ids: list[int] = field(default_factory=list)
-    logprobs: list | None = None
+    parts: list[triton_io.Part] = field(default_factory=list)   # per sequence: finish reason, logprob sum; and,
+                                                                # not streaming, everything so far
+
+    def __post_init__(self) -> None:
+        asked = self.req.params.logprobs is not None
+        self.parts = [triton_io.Part(cumulative=0.0 if asked else None) for _ in range(self.req.params.n)]
 
 
 class TritonPythonModel:
@@ -150,7 +153,7 @@ class TritonPythonModel:
         stream.id = d.request_id        # a first delta can beat submit() returning the id to _start
         if d.finished:
             self._forget(stream)
-        final = d.finished
+        final = d.finished or d.finish_reason in ("error", "abort")
         try:
             response = self._response(stream, d)
         except Exception as e:
@@ -160,23 +163,31 @@ class TritonPythonModel:
         if response is not None:
             self.outbox.put((stream, response, FINAL if final else 0))
 
-    @staticmethod
-    def _response(stream: Stream, d: Delta):
+    def _response(self, stream: Stream, d: Delta):
+        """A streamed delta is one response, with every sequence's element (empty but for the delta's); not
+        streaming, the deltas add up to one response at the end."""
         if d.finish_reason in ("error", "abort"):
+            if not d.finished:          # n > 1: one sequence's error ends the request
+                self._cancel(stream)
             return TritonPythonModel._error(d.error or "request aborted", pb_utils.TritonError.INTERNAL)
+        part = stream.parts[d.index]
+        part.finish_reason, part.cumulative = d.finish_reason, d.cumulative_logprob
         if stream.req.stream:
-            text, ids, logprobs = d.text, d.token_ids, d.logprobs
+            parts = [triton_io.Part(finish_reason=p.finish_reason, cumulative=p.cumulative,
+                                    logprobs=None if p.cumulative is None else []) for p in stream.parts]
+            # the other sequences' elements: nothing new, their finish reason and logprob sum so far
+            parts[d.index] = triton_io.Part(d.text, d.token_ids, d.finish_reason, d.logprobs, d.cumulative_logprob)
         else:
-            stream.text.append(d.text)
-            stream.ids.extend(d.token_ids)
+            part.text += d.text
+            part.ids.extend(d.token_ids)
             if d.logprobs is not None:
-                stream.logprobs = (stream.logprobs or []) + d.logprobs
+                part.logprobs = (part.logprobs or []) + d.logprobs
             if not d.finished:
                 return None
-            text = (stream.req.prompt if stream.req.prepend_input else "") + "".join(stream.text)
-            ids, logprobs = stream.ids, stream.logprobs
-        arrays = triton_io.outputs(text, ids, stream.req.extras, d.finish_reason, d.num_prompt_tokens,
-                                   d.cached_tokens, logprobs, d.cumulative_logprob)
+            prefix = stream.req.prompt if stream.req.prepend_input else ""
+            parts = [triton_io.Part(prefix + p.text, p.ids, p.finish_reason, p.logprobs, p.cumulative)
+                     for p in stream.parts]
+        arrays = triton_io.outputs(parts, stream.req.extras, d.num_prompt_tokens, d.cached_tokens)
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in arrays.items()])
 
     def _send(self, stream: Stream, response, flags: int) -> None:
