@@ -93,11 +93,11 @@ def test_logit_bias_is_clamped_as_vllm_does():
 
 
 def test_vllm_keys_not_honoured_yet_are_refused_by_name_unless_they_ask_for_nothing():
-    with pytest.raises(ValueError, match="n: not supported by this server yet"):
-        SamplingParams.from_dict({"n": 3})
-    with pytest.raises(ValueError, match="structured_outputs: not supported"):
-        SamplingParams.from_dict({"structured_outputs": '{"json": {}}'})
-    neutral = {"n": "1", "detokenize": "true", "lora_name": None, "max_tokens": 3}
+    with pytest.raises(ValueError, match="best_of: not supported by this server yet"):
+        SamplingParams.from_dict({"best_of": 3})
+    with pytest.raises(ValueError, match="lora_name: not supported"):
+        SamplingParams.from_dict({"lora_name": "adapter"})
+    neutral = {"best_of": "1", "detokenize": "true", "lora_name": None, "max_tokens": 3}
     assert SamplingParams.from_dict(neutral).max_tokens == 3
 
 

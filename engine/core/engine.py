@@ -55,6 +55,7 @@ class Engine:
         self.cancels: deque[int] = deque()
         self.steps = 0
         self.failpoints = config.failpoints
+        self.grammars = None
 
     def _storage(self) -> KVStorage:
         config, runner = self.config, self.runner
@@ -112,9 +113,18 @@ class Engine:
             req.forks = req.group[1:]
         if not self.kv.fits(req):
             raise ValueError(f"{field}: {len(ids)} tokens need more KV blocks than the pool holds")
+        compiled = params.structured_outputs and self._grammars().compile(params.structured_outputs)
         for seq in req.group or [req]:
             seq.detok = self.tokenizer.detokenizer(params.skip_special_tokens)
+            seq.grammar = compiled and self.grammars.matcher(compiled)
         return req
+
+    def _grammars(self):
+        """xgrammar over this checkpoint's vocabulary, made at the first structured-output request."""
+        if self.grammars is None:
+            from engine.grammar import Grammars
+            self.grammars = Grammars(self.tokenizer, self.runner.vocab_size, self.runner.eos_token_ids)
+        return self.grammars
 
     def add(self, req: Request) -> Request:
         self.scheduler.add(req)
@@ -176,9 +186,11 @@ class Engine:
             rows.append(Row(req.id, start, req.all_ids[start:end], slots=self.kv.slots(req, start, end),
                             block_table=req.block_table, buf=req.buf, params=req.params, ban=self._ban(req),
                             sample=end == req.prefill_target and not req.output_ids and req.group is None,
-                            prompt=self._prompt(req)))
+                            prompt=self._prompt(req), grammar=req.grammar))
             req.num_allocated = end
-        sampled = self.runner.fetch(self.runner.forward(rows, None))
+        handle = self.runner.forward(rows, None)
+        self.runner.sample(handle)
+        sampled = self.runner.fetch(handle)
         logprobs = sampled.logprobs or [None] * len(rows)
         for (req, _), row, token, lp in zip(plan, rows, sampled.tokens, logprobs):
             req.num_computed = req.num_allocated
@@ -206,6 +218,7 @@ class Engine:
         self.recorder.decode_tick(batch, time.thread_time() - started, self.lookahead.pipelined - before)
         for req, token, lp in results:
             self._commit(req, token, lp)
+        self.lookahead.sample_pending()
 
     def _wants_step(self, req: Request) -> bool:
         ahead = len(req.output_ids) + req.in_flight
@@ -234,7 +247,7 @@ class Engine:
         tokens = [] if prev >= 0 else [req.prompt_ids[p] if p < n_prompt else req.output_ids[p - n_prompt]]
         return Row(req.id, p, tokens, prev=prev, slots=self.kv.slots(req, p, p + 1), block_table=req.block_table,
                    buf=req.buf, params=req.params, ban=self._ban(req), fed_output=p >= n_prompt,
-                   prompt=self._prompt(req))
+                   prompt=self._prompt(req), grammar=req.grammar)
 
     @staticmethod
     def _prompt(req: Request) -> list[int] | None:
@@ -258,7 +271,7 @@ class Engine:
         self.recorder.token(req)
         reason = self.output.append(req, token, lp)
         if reason:
-            self._finish(req, reason)
+            self._finish(req, reason, req.error)
         else:
             self.on_delta(self.output.delta(req))
 

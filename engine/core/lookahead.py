@@ -4,6 +4,10 @@ States: idle (nothing in flight) -> primed (one step in flight, launched with no
 -> steady (each tick launches the next step, then reads the previous one). A row that finishes while
 a speculative step is in flight is unwound: its speculative KV position is trimmed and its token dropped.
 With lookahead off (PAGODA_FORCE_SYNC=1 or lookahead=False) every step is read back right after launch.
+
+Structured output: a step is launched as its model pass, then sampled. A step with a row under a grammar is
+sampled only after the tick's reads were committed (`sample_pending`), so the row's mask is filled from its
+latest token while the model pass runs: constrained rows keep the overlap too, and nothing waits but the host.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ Result = tuple[Request, int, TokenLogprobs | None]       # a request, its sample
 class InFlight:
     handle: Any
     reqs: list[Request]
+    sampled: bool = False
 
 
 class Lookahead:
@@ -44,11 +49,23 @@ class Lookahead:
                 r.num_allocated += 1
             if prev:
                 self.pipelined += 1
+            if not self.enabled or not any(r.grammar is not None for r in batch):
+                self._sample(launched)
         if not self.enabled:
             return self._read(launched)
         self.inflight = launched
         self.state = "idle" if launched is None else ("steady" if prev else "primed")
         return self._read(prev)
+
+    def sample_pending(self) -> None:
+        """Sample the step in flight if its grammar rows waited for this tick's commits."""
+        if self.inflight is not None:
+            self._sample(self.inflight)
+
+    def _sample(self, step: InFlight) -> None:
+        if not step.sampled:
+            self.runner.sample(step.handle)
+            step.sampled = True
 
     def drain(self) -> list[Result]:
         prev, self.inflight, self.state = self.inflight, None, "idle"
@@ -70,6 +87,7 @@ class Lookahead:
     def _read(self, step: InFlight | None) -> list[Result]:
         if step is None:
             return []
+        self._sample(step)
         sampled = self.runner.fetch(step.handle)
         logprobs = sampled.logprobs or [None] * len(sampled.tokens)
         out = []

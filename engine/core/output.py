@@ -59,11 +59,17 @@ class Output:
         if lp is not None:
             self._add_logprobs(req, token, lp)
         p, n = req.params, len(req.output_ids)
+        if req.grammar is not None and not req.grammar.accept(token):
+            req.error = f"structured output: token {token} does not continue the grammar"
+            return "error"
         if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
             return "stop"
         delta = req.detok.add(token)
         req.text += delta
         if p.stop and delta and n >= p.min_tokens and self._cut_at_stop(req, len(delta)):
+            return "stop"
+        if req.grammar is not None and req.grammar.done:        # complete, its stop token taken (ignore_eos too)
+            req.text += req.detok.flush()
             return "stop"
         if n >= p.max_tokens or req.seq_len >= self.max_model_len:
             req.text += req.detok.flush()

@@ -37,6 +37,7 @@ class Request:
     sent_ids: int = 0                     # output ids already streamed
     detok: object | None = None
     logprobs: list | None = None          # per output position {token id: Logprob}, when params.logprobs is set
+    grammar: object | None = None         # structured output: the Matcher its committed tokens advance
     cumulative_logprob: float = 0.0       # the sum of the sampled tokens' logprobs
     # timings (monotonic seconds)
     arrival: float = field(default_factory=time.monotonic)

@@ -5,6 +5,8 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from engine.core.structured import StructuredOutputs
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -27,10 +29,12 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None    # token id -> added to its logit before sampling (clamped to +-100)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None     # a dict or its JSON text is parsed into one
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self.structured_outputs = StructuredOutputs.parse(self.structured_outputs)
         self.validate()
 
     @property
@@ -104,7 +108,12 @@ class SamplingParams:
         """Accepts the string values Triton clients send ("16", "0.7", "true")."""
         known = {f.name for f in fields(cls)}
         kwargs: dict[str, Any] = {}
+        legacy = data.get("guided_decoding")      # vllm_backend's older name: used unless structured_outputs is given
+        if legacy is not None and data.get("structured_outputs") is None:
+            kwargs["structured_outputs"] = StructuredOutputs.parse(legacy, "guided_decoding")
         for key, value in data.items():
+            if key == "guided_decoding":
+                continue
             if key in NOT_HONOURED and key not in known:
                 if _coerce_any(value) not in NOT_HONOURED[key]:
                     raise ValueError(f"{key}: not supported by this server yet, got {value!r}")
@@ -116,14 +125,14 @@ class SamplingParams:
 
 
 MAX_LOGPROBS = 20
-# vLLM SamplingParams keys (and vllm_backend's lora_name, the legacy guided_decoding and best_of) this server does
-# not honour yet -> the values that ask for nothing, which are accepted
+# vLLM SamplingParams keys (and vllm_backend's lora_name and best_of) this server does not honour yet -> the values
+# that ask for nothing, which are accepted
 NOT_HONOURED: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1), "prompt_logprobs": (None,), "prompt_logprob_token_ids": (None,),
     "prompt_logprob_start": (None,), "logprob_token_ids": (None,), "flat_logprobs": (False,),
     "detokenize": (True,), "spaces_between_special_tokens": (True,), "output_kind": (None,),
-    "stream_interval": (None, 1), "skip_clone": (False, True), "structured_outputs": (None,),
-    "guided_decoding": (None,), "allowed_token_ids": (None,), "extra_args": (None,), "bad_words": (None, []),
+    "stream_interval": (None, 1), "skip_clone": (False, True), "allowed_token_ids": (None,), "extra_args": (None,),
+    "bad_words": (None, []),
     "skip_reading_prefix_cache": (None, False), "thinking_token_budget": (None,), "repetition_detection": (None,),
     "routed_experts_prompt_start": (0,), "trace_decode_token_ids": (None,), "lora_name": (None, ""),
 }
@@ -133,7 +142,7 @@ _FLOATS = {"temperature", "top_p", "presence_penalty", "frequency_penalty", "rep
 
 def _coerce(key: str, value: Any) -> Any:
     if value is None:
-        return None if key in ("seed", "logprobs", "logit_bias") else _fail(key, value, "a value")
+        return None if key in ("seed", "logprobs", "logit_bias", "structured_outputs") else _fail(key, value, "a value")
     if key == "logit_bias" and isinstance(value, dict):      # JSON keys are strings: {"42": -5}
         try:
             return {int(k): float(v) if isinstance(v, str) else v for k, v in value.items()}

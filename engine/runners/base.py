@@ -22,6 +22,7 @@ class Row:
     ban: tuple[int, ...] = ()     # token ids masked out (min_tokens not reached)
     fed_output: bool = False      # decode: the input token is the previous output, for the penalties' counts
     prompt: list[int] | None = None   # the request's prompt, when its repetition penalty needs it
+    grammar: Any = None           # structured output: the sequence's Matcher (engine/grammar.py), read at `sample`
 
     @property
     def length(self) -> int:
@@ -79,7 +80,11 @@ class ModelRunner(Protocol):
 
     def init_paged(self, num_blocks: int, block_size: int) -> None: ...
     def forward(self, rows: list[Row], prev: Any | None) -> Any:
-        """Launch one step; returns a handle whose sampled tokens stay on the device until `fetch`."""
+        """Launch one step's model pass (`prev`: the step whose sampled tokens feed it, on the device); returns its
+        handle. `sample` must follow before the step is fetched or fed to another."""
+    def sample(self, handle: Any) -> None:
+        """Launch the step's sampling. Apart from `forward` so a grammar's mask can be filled from tokens that were
+        read back while the model pass ran."""
     def fetch(self, handle: Any) -> Sampled:
         """Read a step's sampled tokens and the logprobs its rows asked for."""
     def release(self, seq: int) -> None: ...

@@ -12,15 +12,15 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.core.sampling import SamplingParams
+from engine.core.structured import StructuredOutputs
 
 log = logging.getLogger("pagoda")
 # known, not honoured yet -> the values that ask for nothing
 NOT_YET: dict[str, tuple[Any, ...]] = {
-    "prompt_logprobs": (None,), "bad_words": (None, []), "best_of": (None, 1),
-    "response_format": (None, {"type": "text"}), "structured_outputs": (None,), "guided_json": (None,),
-    "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "suffix": (None, ""),
+    "prompt_logprobs": (None,), "bad_words": (None, []), "best_of": (None, 1), "suffix": (None, ""),
     "tools": (None, []), "tool_choice": (None, "none"),
 }
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 class StreamOptions(BaseModel):
@@ -50,6 +50,12 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = 1
     user: str | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None      # vLLM's extra field
+    guided_json: dict[str, Any] | str | None = None       # vLLM's legacy extra fields
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     not_yet: dict[str, Any] = Field(default_factory=dict, exclude=True)
 
     @model_validator(mode="before")
@@ -76,7 +82,22 @@ class _Sampling(BaseModel):
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, min_p=self.min_p,
                               logit_bias=self.logit_bias, include_stop_str_in_output=self.include_stop_str_in_output,
-                              skip_special_tokens=self.skip_special_tokens)
+                              skip_special_tokens=self.skip_special_tokens, structured_outputs=self.structure())
+
+    def structure(self) -> StructuredOutputs | None:
+        """What the output must match: response_format (OpenAI), structured_outputs or a guided_* field (vLLM)."""
+        asked = [name for name in ("response_format", "structured_outputs", *GUIDED) if getattr(self, name)
+                 and getattr(self, name) != {"type": "text"}]
+        if len(asked) > 1:
+            raise ValueError(f"{asked[1]}: give one of {', '.join(asked)}, not both")
+        if not asked:
+            return None
+        name = asked[0]
+        if name == "structured_outputs":
+            return StructuredOutputs.parse(self.structured_outputs)
+        if name in GUIDED:
+            return StructuredOutputs.of(GUIDED[name], getattr(self, name), name)
+        return response_format(self.response_format)
 
     def top_tokens(self) -> int | None:
         """How many top tokens per position the request's logprobs ask for; None: no logprobs."""
@@ -111,6 +132,19 @@ class ChatCompletionRequest(_Sampling):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs true")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def response_format(value: dict[str, Any]) -> StructuredOutputs:
+    """OpenAI's {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}."""
+    kind = value.get("type")
+    if kind == "json_object":
+        return StructuredOutputs.of("json_object", True, "response_format")
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise ValueError("response_format: json_schema needs {\"name\": ..., \"schema\": {...}}")
+        return StructuredOutputs.of("json", spec["schema"], "response_format")
+    raise ValueError(f"response_format: type must be text, json_object or json_schema, got {kind!r}")
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:

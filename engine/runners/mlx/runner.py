@@ -87,6 +87,9 @@ class MLXRunner:
                           ("min_p", 0), ("logit_bias", None)):
             if getattr(params, name) not in (off, {}):
                 raise ValueError(f"{name}: not supported by the MLX runner yet")
+        if params.structured_outputs is not None:
+            field = params.structured_outputs.field.split(".")[0]
+            raise ValueError(f"{field}: not supported by the MLX runner yet")
 
     def release(self, seq: int) -> None:
         self.keys.pop(seq, None)
@@ -165,6 +168,9 @@ class MLXRunner:
             extra = (found.values, found.ids) if found else ()
             mx.async_eval(tokens, *extra, *self.k_cache, *self.v_cache)
         return Step(tokens, found)
+
+    def sample(self, step: Step) -> None:
+        pass            # sampling is part of the lazy graph `forward` started (no grammar masks to wait for)
 
     def fetch(self, step: Step) -> Sampled:
         tokens = step.tokens.tolist()

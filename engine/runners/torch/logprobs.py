@@ -1,6 +1,7 @@
 """Logprobs on the device, computed in the step that samples and read back with its tokens, so lookahead keeps
 overlapping. As vLLM's default (logprobs_mode raw_logprobs), they are the log-softmax of the model's logits before
-any processing: no bias, penalty, min_tokens ban, temperature, top-k or top-p."""
+any processing: no bias, penalty, min_tokens ban, temperature, top-k or top-p. A structured-output mask is the one
+thing applied before them, as in vLLM, whose model runner masks the logits before its sampler sees them."""
 from __future__ import annotations
 
 from dataclasses import dataclass

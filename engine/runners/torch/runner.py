@@ -13,7 +13,7 @@ from engine.kernels import cpu_gemv, cpu_pointwise
 from engine.models.loader import load_model
 from engine.runners.base import Geometry, Row, Sampled, flatten, in_order, logprob_rows
 from engine.runners.torch import attention as torch_attention
-from engine.runners.torch import logprobs
+from engine.runners.torch import grammar, logprobs
 from engine.runners.torch.compiled import CompiledDecode
 from engine.runners.torch.logprobs import DeviceLogprobs
 from engine.runners.torch.penalties import Penalties
@@ -24,7 +24,10 @@ log = logging.getLogger("pagoda")
 
 @dataclass(slots=True)
 class Step:
-    tokens: torch.Tensor              # [rows] int64 on the device; -1 where a row did not sample
+    rows: list[Row]
+    logits: torch.Tensor | None       # of the rows that sample, until `sample` has used them
+    picked: list[int] | None          # which rows those are (None: every row, one token each)
+    tokens: torch.Tensor | None = None       # [rows] int64 on the device; -1 where a row did not sample
     logprobs: DeviceLogprobs | None = None   # of the rows that asked
     host: torch.Tensor | None = None  # pinned copy of tokens (CUDA); logprobs are then pinned copies too
     done: torch.cuda.Event | None = None
@@ -129,23 +132,36 @@ class TorchRunner:
         self.penalties.count(rows, ids_t, last)
         decode = len(ids) == len(rows) and all(r.sample for r in rows)     # one token per row, every row samples
         if decode and self.compiled is not None:
-            return self._finish(*self._sample(self.compiled(ids_t, rows), rows))
+            return Step(rows, self.compiled(ids_t, rows), None)
         if self.paged:
             attn = torch_attention.paged(self.ops, self.k_cache, self.v_cache, rows, self.scale, dev)
         else:
             attn = torch_attention.dense(self.dense, rows, self.scale)
         hidden = self.model(ids_t, torch.tensor(positions, dtype=torch.long, device=dev), attn)
         if decode:
-            return self._finish(*self._sample(self.model.logits(hidden), rows))
+            return Step(rows, self.model.logits(hidden), None)
         picked = [i for i, r in enumerate(rows) if r.sample]
-        tokens = torch.full((len(rows),), -1, dtype=torch.long, device=dev)
-        found = None
-        if picked:
-            logits = self.model.logits(hidden[[last[i] for i in picked]])
-            tokens[picked], found = self._sample(logits, [rows[i] for i in picked])
-        return self._finish(tokens, found and found.remap(picked))
+        return Step(rows, self.model.logits(hidden[[last[i] for i in picked]]) if picked else None, picked)
+
+    @torch.inference_mode()
+    def sample(self, step: Step) -> None:
+        logits, step.logits = step.logits, None
+        if step.picked is None:
+            step.tokens, step.logprobs = self._sample(logits, step.rows)
+        else:
+            step.tokens = torch.full((len(step.rows),), -1, dtype=torch.long, device=self.device)
+            if step.picked:
+                step.tokens[step.picked], found = self._sample(logits, [step.rows[i] for i in step.picked])
+                step.logprobs = found and found.remap(step.picked)
+        if self.device.type == "cuda":
+            step.host = torch.empty(step.tokens.shape, dtype=step.tokens.dtype, pin_memory=True)
+            step.host.copy_(step.tokens, non_blocking=True)
+            step.logprobs = step.logprobs and step.logprobs.to_host()
+            step.done = torch.cuda.Event()
+            step.done.record()
 
     def _sample(self, logits: torch.Tensor, rows: list[Row]) -> tuple[torch.Tensor, DeviceLogprobs | None]:
+        grammar.constrain(logits, rows, self.vocab_size)          # first: raw logprobs see the grammar's mask
         asked = logprob_rows(rows)
         raw = logprobs.raw(logits, asked) if asked else None         # before anything changes the logits
         self.penalties.apply(logits, rows)
@@ -153,16 +169,6 @@ class TorchRunner:
         if raw is None:
             return tokens, None
         return tokens, logprobs.pick(raw, tokens[asked], asked, [rows[i].params.logprobs for i in asked])
-
-    def _finish(self, tokens: torch.Tensor, found: DeviceLogprobs | None = None) -> Step:
-        step = Step(tokens, found)
-        if self.device.type == "cuda":
-            step.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            step.host.copy_(tokens, non_blocking=True)
-            step.logprobs = found and found.to_host()
-            step.done = torch.cuda.Event()
-            step.done.record()
-        return step
 
     def fetch(self, step: Step) -> Sampled:
         if step.done is not None:
