@@ -32,3 +32,15 @@ def model_dir(request, tiny_dir, odd_dir) -> str:
 def _isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("PAGODA_CACHE", str(tmp_path_factory.getbasetemp() / "pagoda-cache"))
     monkeypatch.delenv("PAGODA_FORCE_SYNC", raising=False)
+
+
+@pytest.fixture(scope="session")
+def qwen_tiny_dir(tmp_path_factory) -> str:
+    """Tiny geometry with Qwen2.5's real tokenizer (151,665 tokens) and chat template."""
+    return str(make_model("tiny-qwen", tmp_path_factory.mktemp("tiny-qwen"), seed=0))
+
+
+@pytest.fixture(scope="session")
+def qwen_dir(tmp_path_factory) -> str:
+    """The qwen2.5-0.5b preset: Qwen2.5-0.5B's geometry and tokenizer, random weights."""
+    return str(make_model("qwen2.5-0.5b", tmp_path_factory.mktemp("qwen2.5-0.5b"), seed=0))

@@ -191,6 +191,42 @@ def test_n_choices_with_the_openai_client(server, tiny_dir):
     assert metric(server, "pagoda_kv_blocks", state="used") == 0
 
 
+def test_response_format_with_the_openai_client(server):
+    """json_object and json_schema, chat and completions, whole and streamed: every output parses and validates."""
+    import jsonschema
+    from openai import OpenAI
+    client = OpenAI(base_url=f"http://{server}/v1", api_key="none")
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                               "rain": {"type": "boolean"}}, "required": ["city", "rain"],
+              "additionalProperties": False}
+    as_schema = {"type": "json_schema", "json_schema": {"name": "weather", "schema": schema, "strict": True}}
+    messages = [{"role": "user", "content": "weather?"}]
+    for seed in range(3):
+        chat = client.chat.completions.create(model="tiny0", messages=messages, max_tokens=60, seed=seed,
+                                              response_format=as_schema)
+        jsonschema.validate(json.loads(chat.choices[0].message.content), schema)
+        chunks = client.chat.completions.create(model="tiny0", messages=messages, max_tokens=60, seed=seed,
+                                                response_format=as_schema, stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        jsonschema.validate(json.loads(text), schema)
+        done = client.completions.create(model="tiny0", prompt="x", max_tokens=60, seed=seed,
+                                         extra_body={"structured_outputs": {"json": schema}})
+        jsonschema.validate(json.loads(done.choices[0].text), schema)
+    obj = client.chat.completions.create(model="tiny0", messages=messages, max_tokens=200, temperature=0,
+                                         response_format={"type": "json_object"})
+    assert obj.choices[0].message.content.startswith("{")
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    choice = client.completions.create(model="tiny0", prompt="x", max_tokens=10,
+                                       extra_body={"guided_choice": ["red", "green"]})
+    assert choice.choices[0].text in ("red", "green")
+    status, body = post(server, "/v1/chat/completions", {"model": "tiny0", "messages": messages,
+                                                         "response_format": {"type": "json_schema"}})
+    assert status == 400 and body["error"]["param"] == "response_format"
+    status, body = post(server, "/v1/completions", {"model": "tiny0", "prompt": "x", "guided_regex": "a("})
+    assert status == 400 and body["error"]["param"] == "guided_regex", body
+
+
 def test_models_health_metrics(server):
     models = json.loads(urllib.request.urlopen(f"http://{server}/v1/models").read())
     assert [m["id"] for m in models["data"]] == ["tiny0"]
@@ -206,7 +242,9 @@ def test_models_health_metrics(server):
     ({"model": "tiny0", "prompt": [1, 99999]}, "input_ids"),
     ({"model": "tiny0"}, "prompt"),
     ({"model": "tiny0", "prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
-    ({"model": "tiny0", "prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"model": "tiny0", "prompt": "hi", "response_format": {"type": "xml"}}, "response_format"),
+    ({"model": "tiny0", "prompt": "hi", "structured_outputs": {"regex": "("}}, "structured_outputs.regex"),
+    ({"model": "tiny0", "prompt": "hi", "best_of": 3}, "best_of"),
     ({"model": "tiny0", "prompt": "hi", "logprobs": 21}, "logprobs"),
 ])
 def test_bad_requests_are_400_naming_the_field(server, body, field):

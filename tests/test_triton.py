@@ -136,6 +136,27 @@ def test_n_sequences_carry_one_element_each(server, tiny_dir):
     wait_until(lambda: scrape(server.metrics_url, "pagoda_kv_blocks", state="used") == 0, "the blocks to return")
 
 
+def test_structured_outputs_in_sampling_parameters(server):
+    """vllm_backend's keys: structured_outputs as a JSON string, the legacy guided_decoding; gRPC and HTTP."""
+    import jsonschema
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    sent = {"max_tokens": 40, "seed": 3, "structured_outputs": json.dumps({"json": schema})}
+    responses, error = collect(server, grpc_inputs(PROMPT, sent, return_finish_reason=True))
+    assert error is None and responses[-1]["finish_reason"][0] == b"stop"
+    jsonschema.validate(json.loads("".join(r["text_output"][0].decode() for r in responses)), schema)
+    legacy = {"max_tokens": 10, "guided_decoding": json.dumps({"choice": ["left", "right"]})}
+    status, body = http(server, "/v2/models/llm/generate", {"text_input": PROMPT, "exclude_input_in_output": True,
+                                                            "sampling_parameters": json.dumps(legacy)})
+    assert status == 200 and json.loads(body)["text_output"] in ("left", "right")
+    for bad, message in (({"structured_outputs": '{"regex": "("}'}, "structured_outputs.regex: invalid regex"),
+                         ({"structured_outputs": "{oops"}, "structured_outputs: not valid JSON"),
+                         ({"guided_decoding": {"json": 5}}, "guided_decoding.json: expected a JSON schema")):
+        _, error = collect(server, grpc_inputs(PROMPT, bad))
+        assert error is not None and message in str(error), str(error)
+    wait_until(lambda: scrape(server.metrics_url, "pagoda_kv_blocks", state="used") == 0, "the blocks to return")
+
+
 def test_token_ids_input(server, tiny_dir):
     ids = random_ids(40, seed=3)
     responses, error = collect(server, grpc_inputs(ids, {"max_tokens": 5, "temperature": 0}))

