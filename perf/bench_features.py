@@ -1,5 +1,7 @@
 """What each generation feature costs in decode: tok/s with it next to plain greedy decode, one engine, the two
-requests alternated in ABBA order; the ratio is the median of per-pair ratios. Greedy, EOS ignored.
+requests alternated in ABBA order; the ratio is the median of per-pair ratios. Greedy, EOS ignored. n=4 counts
+the tokens of all four sequences (aggregate tok/s). The JSON schema asks for an array of max-tokens/3 integers
+(0-999), so the constrained output has about max-tokens tokens too; its last row compares it with lookahead off.
 
     python -m perf.bench_features [--preset small] [--max-tokens 128] [--repeats 9] [--threads 1]
 """
@@ -13,7 +15,14 @@ from engine.models.presets import cached_model
 from perf.common import greedy_run, median_pair, prompt_ids, table
 
 FEATURES = {"logprobs=5": {"logprobs": 5}, "logprobs=20": {"logprobs": 20},
-            "penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}}
+            "penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1},
+            "n=4 (aggregate)": {"n": 4}}
+
+
+def schema(max_tokens: int) -> dict:
+    items = max(1, max_tokens // 3)
+    return {"json": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
+                     "minItems": items, "maxItems": items}}
 
 
 def main(argv: list[str] | None = None) -> list[list[str]]:
@@ -26,13 +35,19 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
     engine = Engine(EngineConfig(model=str(cached_model(args.preset)), num_threads=args.threads))
     prompt = prompt_ids()
     greedy_run(engine, prompt, 8)                                          # warm-up
+    json = {"structured_outputs": schema(args.max_tokens)}
+    cases = [(name, params, {}, "plain") for name, params in FEATURES.items()]
+    cases += [("json schema", json, {}, "plain"), ("json schema", json, {**json, "lookahead": False},
+                                                    "json schema, lookahead off")]
     rows = []
-    for name, params in FEATURES.items():
-        pair = median_pair(lambda: greedy_run(engine, prompt, args.max_tokens, **params)[1],
-                           lambda: greedy_run(engine, prompt, args.max_tokens)[1], args.repeats)
-        rows.append([name, f"{pair.pagoda:.1f}", f"{pair.peer:.1f}", f"{pair.ratio:.3f}"])
+    for name, params, base, base_name in cases:
+        pair = median_pair(lambda: greedy_run(engine, prompt, args.max_tokens, lookahead=True, **params)[1],
+                           lambda: greedy_run(engine, prompt, args.max_tokens, **{"lookahead": True, **base})[1],
+                           args.repeats)
+        rows.append([name, base_name, f"{pair.pagoda:.1f}", f"{pair.peer:.1f}", f"{pair.ratio:.3f}"])
+    engine.lookahead.enabled = engine.config.use_lookahead
     print(f"{args.preset}, {args.max_tokens} new tokens, {args.repeats} ABBA pairs, torch threads {args.threads}")
-    print(table(["feature", "with tok/s", "plain tok/s", "with/plain"], rows))
+    print(table(["feature", "against", "with tok/s", "against tok/s", "ratio"], rows))
     return rows
 
 

@@ -125,3 +125,11 @@ def test_openai_stream_client_parses_sse():
     assert seen["body"]["prompt"] == [1, 2, 3] and seen["body"]["stream"] is True and seen["body"]["ignore_eos"]
     assert (r.text, r.ids, r.finish_reason) == ("Hello", [5, 6, 7], "length")
     assert (r.num_input_tokens, r.cached_tokens) == (40, 32) and len(r.token_times) == 3
+
+
+def test_bench_features_prints_each_feature_against_its_baseline(capsys):
+    from perf import bench_features
+    rows = bench_features.main(["--preset", "tiny", "--max-tokens", "12", "--repeats", "1"])
+    assert [r[0] for r in rows] == [*bench_features.FEATURES, "json schema", "json schema"]
+    assert rows[-1][1] == "json schema, lookahead off" and all(float(r[4]) > 0 for r in rows)
+    assert "n=4 (aggregate)" in capsys.readouterr().out
