@@ -39,6 +39,7 @@ class RequestOutput:
     num_prompt_tokens: int
     cached_tokens: int
     error: str | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None    # per prompt token (None first), when asked
 
     @property
     def token_ids(self) -> list[int]:
@@ -91,4 +92,5 @@ class LLM:
             engine.step()
         finals = [self.finals.pop(r.id) for r in reqs]
         return [RequestOutput(r.id, r.prompt_ids, [CompletionOutput.of(s) for s in r.group or [r]],
-                              len(r.prompt_ids), d.cached_tokens, r.error) for r, d in zip(reqs, finals)]
+                              len(r.prompt_ids), d.cached_tokens, r.error, r.prompt_logprobs)
+                for r, d in zip(reqs, finals)]

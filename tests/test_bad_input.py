@@ -46,6 +46,10 @@ TRITON_CASES = [
     ("logprobs-too-many", {"text_input": "hi", "sampling_parameters": '{"logprobs": 21}'}, "logprobs"),
     ("n-zero", {"text_input": "hi", "sampling_parameters": '{"n": 0}'}, "n"),
     ("n-past-the-batch", {"text_input": "hi", "sampling_parameters": '{"n": 99}'}, "n"),
+    ("prompt-logprobs-no-output", {"text_input": "hi", "sampling_parameters": '{"prompt_logprobs": 1}'},
+     "prompt_logprobs"),
+    ("structured-outputs-bad-regex", {"text_input": "hi", "sampling_parameters":
+                                      '{"structured_outputs": "{\\"regex\\": \\"(\\"}"}'}, "structured_outputs.regex"),
     ("params-lora-name", {"text_input": "hi", "sampling_parameters": '{"lora_name": "adapter"}'}, "lora_name"),
     ("penalty-out-of-range", {"text_input": "hi", "sampling_parameters": '{"presence_penalty": 9}'},
      "presence_penalty"),

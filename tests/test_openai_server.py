@@ -227,6 +227,31 @@ def test_response_format_with_the_openai_client(server):
     assert status == 400 and body["error"]["param"] == "guided_regex", body
 
 
+def test_prompt_logprobs_and_bad_words_through_the_server(server, tiny_dir):
+    """vLLM's extra fields: prompt_logprobs per choice (completions) or on the response (chat), first chunk when
+    streamed; bad_words and allowed_token_ids reach the sampler."""
+    want = LLM(model=tiny_dir, dtype="float32").generate(PROMPT, SamplingParams(max_tokens=2, temperature=0,
+                                                                                prompt_logprobs=1))[0]
+    status, body = post(server, "/v1/completions", {"model": "tiny0", "prompt": PROMPT, "max_tokens": 2,
+                                                    "temperature": 0, "prompt_logprobs": 1})
+    got = body["choices"][0]["prompt_logprobs"]
+    assert status == 200 and got[0] is None and len(got) == len(PROMPT)
+    assert [got[i][str(PROMPT[i])]["logprob"] for i in range(1, len(PROMPT))] == pytest.approx(
+        [want.prompt_logprobs[i][PROMPT[i]].logprob for i in range(1, len(PROMPT))], abs=1e-4)
+    chat = {"model": "tiny0", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 0}
+    status, body = post(server, "/v1/chat/completions", chat)
+    assert status == 200 and body["prompt_logprobs"][0] is None and len(body["prompt_logprobs"]) > 1
+    from openai import OpenAI
+    client = OpenAI(base_url=f"http://{server}/v1", api_key="none")
+    chunks = list(client.chat.completions.create(model="tiny0", messages=chat["messages"], max_tokens=3,
+                                                 stream=True, extra_body={"prompt_logprobs": 0}))
+    assert chunks[0].model_extra["prompt_logprobs"][0] is None
+    assert all("prompt_logprobs" not in c.model_extra for c in chunks[1:])
+    status, body = post(server, "/v1/completions", {"model": "tiny0", "prompt": PROMPT, "max_tokens": 6,
+                                                    "temperature": 0, "allowed_token_ids": [11, 12]})
+    assert status == 200 and set(body["choices"][0]["token_ids"]) <= {11, 12}
+
+
 def test_models_health_metrics(server):
     models = json.loads(urllib.request.urlopen(f"http://{server}/v1/models").read())
     assert [m["id"] for m in models["data"]] == ["tiny0"]

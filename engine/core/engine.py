@@ -7,8 +7,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 from engine.config import EngineConfig
+from engine.core.bad_words import BadWords
 from engine.core.lookahead import Lookahead
 from engine.core.output import Delta, Output
 from engine.core.recorder import Recorder
@@ -90,6 +92,9 @@ class Engine:
                     raise ValueError(f"input_ids: token id {t!r} is outside the vocabulary [0, {vocab})")
         if not ids:
             raise ValueError(f"{field}: must not be empty")
+        if params.truncate_prompt_tokens is not None:          # as vLLM: the prompt's last k tokens
+            keep = params.truncate_prompt_tokens if params.truncate_prompt_tokens > 0 else self.max_model_len - 1
+            ids = ids[-keep:]
         if len(ids) >= self.max_model_len:
             raise ValueError(f"{field}: {len(ids)} tokens leave no room in the model's context of "
                              f"{self.max_model_len}")
@@ -97,9 +102,10 @@ class Engine:
             raise ValueError(f"max_tokens: prompt ({len(ids)}) + max_tokens ({params.max_tokens}) exceeds the "
                              f"model's context of {self.max_model_len}")
         self.runner.check(params)
-        for t in params.logit_bias or ():
-            if t >= self.runner.vocab_size:
-                raise ValueError(f"logit_bias: token id {t} is outside the vocabulary [0, {self.runner.vocab_size})")
+        for name in ("logit_bias", "allowed_token_ids"):
+            for t in getattr(params, name) or ():
+                if t >= self.runner.vocab_size:
+                    raise ValueError(f"{name}: token id {t} is outside the vocabulary [0, {self.runner.vocab_size})")
         if params.n > self.config.max_batch_size:
             raise ValueError(f"n: {params.n} sequences exceed max_batch_size ({self.config.max_batch_size})")
         req = Request(next(self.ids) if request_id is None else request_id, ids, params)
@@ -114,9 +120,13 @@ class Engine:
         if not self.kv.fits(req):
             raise ValueError(f"{field}: {len(ids)} tokens need more KV blocks than the pool holds")
         compiled = params.structured_outputs and self._grammars().compile(params.structured_outputs)
+        bad = BadWords.of(params.bad_words, self.tokenizer.encode) if params.bad_words else None
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]               # the first prompt token has nothing before it
         for seq in req.group or [req]:
             seq.detok = self.tokenizer.detokenizer(params.skip_special_tokens)
             seq.grammar = compiled and self.grammars.matcher(compiled)
+            seq.bad_words = bad
         return req
 
     def _grammars(self):
@@ -183,18 +193,24 @@ class Engine:
         rows = []
         for req, n in plan:
             start, end = req.num_computed, req.num_computed + n
+            n_prompt = len(req.prompt_ids)
+            asks = req.prompt_logprobs is not None and len(req.prompt_logprobs) < n_prompt and n_prompt > 1
             rows.append(Row(req.id, start, req.all_ids[start:end], slots=self.kv.slots(req, start, end),
                             block_table=req.block_table, buf=req.buf, params=req.params, ban=self._ban(req),
                             sample=end == req.prefill_target and not req.output_ids and req.group is None,
-                            prompt=self._prompt(req), grammar=req.grammar))
+                            prompt=self._prompt(req), grammar=req.grammar, ban_later=self._ban_later(req),
+                            prompt_logprobs=req.params.prompt_logprobs if asks else None,
+                            next_token=req.prompt_ids[end] if end < n_prompt else -1))
             req.num_allocated = end
         handle = self.runner.forward(rows, None)
         self.runner.sample(handle)
         sampled = self.runner.fetch(handle)
         logprobs = sampled.logprobs or [None] * len(rows)
-        for (req, _), row, token, lp in zip(plan, rows, sampled.tokens, logprobs):
+        for i, ((req, _), row, token, lp) in enumerate(zip(plan, rows, sampled.tokens, logprobs)):
             req.num_computed = req.num_allocated
             self.kv.commit(req)
+            if row.prompt_logprobs is not None:
+                self.output.add_prompt_logprobs(req, row.start, sampled.prompt_logprobs[i])
             if row.sample:
                 self._append(req, token, lp)
 
@@ -247,7 +263,7 @@ class Engine:
         tokens = [] if prev >= 0 else [req.prompt_ids[p] if p < n_prompt else req.output_ids[p - n_prompt]]
         return Row(req.id, p, tokens, prev=prev, slots=self.kv.slots(req, p, p + 1), block_table=req.block_table,
                    buf=req.buf, params=req.params, ban=self._ban(req), fed_output=p >= n_prompt,
-                   prompt=self._prompt(req), grammar=req.grammar)
+                   prompt=self._prompt(req), grammar=req.grammar, ban_later=self._ban_later(req))
 
     @staticmethod
     def _prompt(req: Request) -> list[int] | None:
@@ -255,9 +271,17 @@ class Engine:
 
     def _ban(self, req: Request) -> tuple[int, ...]:
         p = req.params
+        always = req.bad_words.always if req.bad_words else ()
         if len(req.output_ids) + req.in_flight >= p.min_tokens:
-            return ()
-        return tuple(set(p.stop_token_ids) | self.output.eos_token_ids)
+            return always
+        return tuple(set(p.stop_token_ids) | self.output.eos_token_ids | set(always))
+
+    @staticmethod
+    def _ban_later(req: Request) -> Callable[[], list[int]] | None:
+        """The longer bad words' bans, worked out when the row samples: from the output committed by then."""
+        if req.bad_words is None or not req.bad_words.sequences:
+            return None
+        return partial(req.bad_words.banned, req.output_ids)
 
     # ---- tokens out ----
     def _commit(self, req: Request, token: int, lp: TokenLogprobs | None) -> None:

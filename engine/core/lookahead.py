@@ -5,9 +5,10 @@ States: idle (nothing in flight) -> primed (one step in flight, launched with no
 a speculative step is in flight is unwound: its speculative KV position is trimmed and its token dropped.
 With lookahead off (PAGODA_FORCE_SYNC=1 or lookahead=False) every step is read back right after launch.
 
-Structured output: a step is launched as its model pass, then sampled. A step with a row under a grammar is
-sampled only after the tick's reads were committed (`sample_pending`), so the row's mask is filled from its
-latest token while the model pass runs: constrained rows keep the overlap too, and nothing waits but the host.
+Structured output: a step is launched as its model pass, then sampled. A step with a row under a grammar (or
+multi-token bad words) is sampled only after the tick's reads were committed (`sample_pending`), so the row's mask
+is filled from its latest token while the model pass runs: constrained rows keep the overlap too, and nothing
+waits but the host.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ class Lookahead:
                 r.num_allocated += 1
             if prev:
                 self.pipelined += 1
-            if not self.enabled or not any(r.grammar is not None for r in batch):
+            if not self.enabled or not any(r.deferred for r in rows):
                 self._sample(launched)
         if not self.enabled:
             return self._read(launched)

@@ -35,12 +35,13 @@ class Delta:
     logprobs: list[PositionLogprobs] | None = None     # one per token in token_ids, when asked for
     cumulative_logprob: float | None = None            # over all tokens so far, when logprobs were asked for
     index: int = 0                                     # the sequence (parallel sampling, n > 1)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None    # on the request's first delta, when asked
 
     def __reduce__(self):
         # Pickled per token across the process boundary: positional fields, not a slot-state dict.
         return Delta, (self.request_id, self.token_ids, self.text, self.finished, self.finish_reason, self.error,
                        self.num_prompt_tokens, self.num_output_tokens, self.cached_tokens, self.logprobs,
-                       self.cumulative_logprob, self.index)
+                       self.cumulative_logprob, self.index, self.prompt_logprobs)
 
 
 class Output:
@@ -87,18 +88,31 @@ class Output:
                       index=req.index)
         if req.logprobs is not None:
             delta.logprobs, delta.cumulative_logprob = req.logprobs[req.sent_ids:], req.cumulative_logprob
+        if req.prompt_logprobs is not None and req.sent_ids == 0:
+            delta.prompt_logprobs = req.prompt_logprobs
         req.sent_ids, req.sent_text = len(req.output_ids), end
         return delta
 
     def _add_logprobs(self, req: Request, token: int, lp: TokenLogprobs) -> None:
-        text = self.tokenizer.token_text
-        position = {token: Logprob(lp.logprob, lp.rank, text(token))}       # vLLM's order: sampled, then the top
-        for rank, (t, v) in enumerate(lp.top, start=1):
-            position.setdefault(t, Logprob(v, rank, text(t)))
         if req.logprobs is None:
             req.logprobs = []
-        req.logprobs.append(position)
+        req.logprobs.append(self._position(token, lp))
         req.cumulative_logprob += lp.logprob
+
+    def add_prompt_logprobs(self, req: Request, start: int, found: list[TokenLogprobs]) -> None:
+        """A prefill chunk's prompt logprobs: position start + i predicted prompt token start + i + 1 (a chunk run
+        again after a preemption adds only what is missing)."""
+        for i, lp in enumerate(found):
+            target = start + i + 1
+            if target == len(req.prompt_logprobs):
+                req.prompt_logprobs.append(self._position(req.prompt_ids[target], lp))
+
+    def _position(self, token: int, lp: TokenLogprobs) -> PositionLogprobs:
+        text = self.tokenizer.token_text
+        position = {token: Logprob(lp.logprob, lp.rank, text(token))}       # vLLM's order: this token, then the top
+        for rank, (t, v) in enumerate(lp.top, start=1):
+            position.setdefault(t, Logprob(v, rank, text(t)))
+        return position
 
     @staticmethod
     def _cut_at_stop(req: Request, added: int) -> bool:

@@ -5,6 +5,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
+from engine.core.bad_words import BadWords
 from engine.core.sampling import SamplingParams
 
 
@@ -38,6 +39,8 @@ class Request:
     detok: object | None = None
     logprobs: list | None = None          # per output position {token id: Logprob}, when params.logprobs is set
     grammar: object | None = None         # structured output: the Matcher its committed tokens advance
+    bad_words: BadWords | None = None
+    prompt_logprobs: list | None = None   # per prompt position (None first), when params.prompt_logprobs is set
     cumulative_logprob: float = 0.0       # the sum of the sampled tokens' logprobs
     # timings (monotonic seconds)
     arrival: float = field(default_factory=time.monotonic)

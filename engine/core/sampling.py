@@ -21,6 +21,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None       # the sampled token's logprob and this many top ones per position (0-20)
+    prompt_logprobs: int | None = None    # each prompt token's logprob and this many top ones (0-20); no cache read
     # vLLM's definitions: presence and frequency over the output, repetition over prompt and output (1: off)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -29,6 +30,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None    # token id -> added to its logit before sampling (clamped to +-100)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True    # accepted; a fast (tokenizers) detokenizer has no such spacing
+    bad_words: list[str] | None = None            # words never generated (their token sequences, with a space too)
+    allowed_token_ids: list[int] | None = None    # only these tokens are sampled
+    truncate_prompt_tokens: int | None = None     # keep the prompt's last k tokens (-1: as many as the model takes)
     structured_outputs: StructuredOutputs | None = None     # a dict or its JSON text is parsed into one
 
     def __post_init__(self) -> None:
@@ -68,10 +73,24 @@ class SamplingParams:
             _int("stop_token_ids", t, low=0)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos: must be a boolean, got {self.ignore_eos!r}")
-        if self.logprobs is not None:
-            _int("logprobs", self.logprobs, low=0)
-            if self.logprobs > MAX_LOGPROBS:
-                raise ValueError(f"logprobs: must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _int(name, getattr(self, name), low=0)
+                if getattr(self, name) > MAX_LOGPROBS:
+                    raise ValueError(f"{name}: must be <= {MAX_LOGPROBS}, got {getattr(self, name)}")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list)
+                                           or not all(isinstance(w, str) and w.strip() for w in self.bad_words)):
+            raise ValueError(f"bad_words: must be a list of non-empty strings, got {self.bad_words!r}")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                raise ValueError(f"allowed_token_ids: must be a non-empty list of token ids, got "
+                                 f"{self.allowed_token_ids!r}")
+            for t in self.allowed_token_ids:
+                _int("allowed_token_ids", t, low=0)
+        if self.truncate_prompt_tokens is not None:
+            _int("truncate_prompt_tokens", self.truncate_prompt_tokens, low=-1)
+            if self.truncate_prompt_tokens == 0:
+                raise ValueError("truncate_prompt_tokens: must be >= 1 or -1, got 0")
         for name in ("presence_penalty", "frequency_penalty"):
             _num(name, getattr(self, name))
             if not -2 <= getattr(self, name) <= 2:
@@ -89,7 +108,7 @@ class SamplingParams:
                 _int("logit_bias", token, low=0)
                 _num("logit_bias", bias)
             self.logit_bias = {t: min(100.0, max(-100.0, b)) for t, b in self.logit_bias.items()}   # as vLLM
-        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be a boolean, got {getattr(self, name)!r}")
 
@@ -128,21 +147,22 @@ MAX_LOGPROBS = 20
 # vLLM SamplingParams keys (and vllm_backend's lora_name and best_of) this server does not honour yet -> the values
 # that ask for nothing, which are accepted
 NOT_HONOURED: dict[str, tuple[Any, ...]] = {
-    "best_of": (None, 1), "prompt_logprobs": (None,), "prompt_logprob_token_ids": (None,),
+    "best_of": (None, 1), "prompt_logprob_token_ids": (None,),
     "prompt_logprob_start": (None,), "logprob_token_ids": (None,), "flat_logprobs": (False,),
-    "detokenize": (True,), "spaces_between_special_tokens": (True,), "output_kind": (None,),
-    "stream_interval": (None, 1), "skip_clone": (False, True), "allowed_token_ids": (None,), "extra_args": (None,),
-    "bad_words": (None, []),
+    "detokenize": (True,), "output_kind": (None,),
+    "stream_interval": (None, 1), "skip_clone": (False, True), "extra_args": (None,),
     "skip_reading_prefix_cache": (None, False), "thinking_token_budget": (None,), "repetition_detection": (None,),
     "routed_experts_prompt_start": (0,), "trace_decode_token_ids": (None,), "lora_name": (None, ""),
 }
-_INTS = {"n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs"}
+_INTS = {"n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"}
+NULLABLE = {"seed", "logprobs", "prompt_logprobs", "logit_bias", "structured_outputs", "bad_words",
+            "allowed_token_ids", "truncate_prompt_tokens"}
 _FLOATS = {"temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"}
 
 
 def _coerce(key: str, value: Any) -> Any:
     if value is None:
-        return None if key in ("seed", "logprobs", "logit_bias", "structured_outputs") else _fail(key, value, "a value")
+        return None if key in NULLABLE else _fail(key, value, "a value")
     if key == "logit_bias" and isinstance(value, dict):      # JSON keys are strings: {"42": -5}
         try:
             return {int(k): float(v) if isinstance(v, str) else v for k, v in value.items()}
@@ -158,7 +178,8 @@ def _coerce(key: str, value: Any) -> Any:
             return float(value.strip())
         except ValueError:
             return _fail(key, value, "a number")
-    if key in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens") and isinstance(value, str):
+    if key in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+               "spaces_between_special_tokens") and isinstance(value, str):
         if value.strip().lower() in ("true", "1"):
             return True
         if value.strip().lower() in ("false", "0"):

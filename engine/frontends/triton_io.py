@@ -80,6 +80,8 @@ def parse(inputs: dict[str, np.ndarray]) -> TritonRequest:
         prompt = text
     raw = _string(inputs, "sampling_parameters")
     params = SamplingParams.from_json(raw) if raw else SamplingParams()
+    if params.prompt_logprobs is not None:
+        raise ValueError("prompt_logprobs: not supported by this model: vllm_backend has no output tensor for it")
     stream = bool(_flag(inputs, "stream"))
     exclude = _flag(inputs, "exclude_input_in_output")
     if stream and exclude is False:

@@ -33,7 +33,7 @@ class DenseKV:
         return True
 
     def admit(self, req: Request) -> bool:
-        taken = self.store.take(req.all_ids) if self.store else None
+        taken = self.store.take(req.all_ids) if self.store and req.params.prompt_logprobs is None else None
         if taken is None:
             req.buf, adopted = self._alloc(round_up(req.prefill_target + 1)), 0
         else:

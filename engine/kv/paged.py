@@ -32,7 +32,7 @@ class PagedKV:
 
     def admit(self, req: Request) -> bool:
         """Adopt the longest cached prefix and allocate blocks for the rest of the prefill; False if no room."""
-        hits = self.cache.match(req.all_ids) if self.cache else []
+        hits = self.cache.match(req.all_ids) if self.cache and req.params.prompt_logprobs is None else []
         n_adopt = min(len(hits), (req.seq_len - 1) // self.bs)
         hits = hits[:n_adopt]
         needed = cdiv(req.prefill_target, self.bs) - n_adopt

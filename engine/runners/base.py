@@ -1,6 +1,7 @@
 """The ModelRunner protocol and the Row a runner computes: plain data handed over by the core."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -23,6 +24,14 @@ class Row:
     fed_output: bool = False      # decode: the input token is the previous output, for the penalties' counts
     prompt: list[int] | None = None   # the request's prompt, when its repetition penalty needs it
     grammar: Any = None           # structured output: the sequence's Matcher (engine/grammar.py), read at `sample`
+    ban_later: Callable[[], list[int]] | None = None      # more token ids to mask, asked for at `sample` (bad words)
+    prompt_logprobs: int | None = None    # prefill: each position's logprob of the token after it, and the top k
+    next_token: int = -1          # prefill: the prompt token after the row's last position (-1: none, or output)
+
+    @property
+    def deferred(self) -> bool:
+        """Its mask depends on the output committed when it samples: sampling waits for this tick's commits."""
+        return self.grammar is not None or self.ban_later is not None
 
     @property
     def length(self) -> int:
@@ -44,6 +53,7 @@ class Sampled:
     for them, each row's logprobs (None for rows that did not ask)."""
     tokens: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: dict[int, list[TokenLogprobs]] | None = None    # by row: one per prompt token predicted
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.core.output import Delta
-from engine.frontends.openai.logprobs import Shaper
+from engine.frontends.openai.logprobs import Shaper, prompt
 from engine.frontends.openai.protocol import ChatCompletionRequest, CompletionRequest, usage
 from engine.serving.client import EngineClient
 
@@ -125,10 +125,14 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
             choice = {"index": index, "finish_reason": seq[-1].finish_reason, "token_ids": ids,
                       "logprobs": choices.logprobs(index, positions, ids)}
             choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+            if not chat and first.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt(first.prompt_logprobs)
             out.append(choice)
         last = deltas[-1]
         result = {"id": rid, "object": kind, "created": int(time.time()), "model": model_name, "choices": out,
                   "usage": usage(last.num_prompt_tokens, completion_tokens(deltas), last.cached_tokens)}
+        if chat and first.prompt_logprobs is not None:
+            result["prompt_logprobs"] = prompt(first.prompt_logprobs)
         return result, (failed.error or "request failed") if failed else None
 
     async def sse(rid: str, kind: str, body, first: Delta, stream: AsyncIterator[Delta], chat: bool,
@@ -145,7 +149,10 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
                 part = {"index": d.index, "finish_reason": d.finish_reason, "token_ids": d.token_ids,
                         "logprobs": choices.logprobs(d.index, d.logprobs, d.token_ids)}
                 part.update({"delta": {"content": text}} if chat else {"text": text})
-                yield f"data: {json.dumps({'id': rid, 'object': obj, 'model': model_name, 'choices': [part]})}\n\n"
+                chunk = {"id": rid, "object": obj, "model": model_name, "choices": [part]}
+                if d.prompt_logprobs is not None:          # the first chunk, as vLLM sends them
+                    (chunk if chat else part)["prompt_logprobs"] = prompt(d.prompt_logprobs)
+                yield f"data: {json.dumps(chunk)}\n\n"
                 if d.finished:
                     break
                 d = await anext(stream)

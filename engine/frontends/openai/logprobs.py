@@ -29,6 +29,14 @@ def chat(positions: list[PositionLogprobs], tokens: list[int], top: int) -> dict
     return {"content": content}
 
 
+def prompt(positions: list[PositionLogprobs | None] | None) -> list[dict[str, dict] | None] | None:
+    """vLLM's prompt_logprobs: per prompt token (None for the first), token id -> logprob, rank, decoded_token."""
+    if positions is None:
+        return None
+    return [None if p is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                                    for t, lp in p.items()} for p in positions]
+
+
 def _entry(lp: Logprob) -> dict[str, Any]:
     return {"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode())}
 

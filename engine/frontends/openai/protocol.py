@@ -17,7 +17,7 @@ from engine.core.structured import StructuredOutputs
 log = logging.getLogger("pagoda")
 # known, not honoured yet -> the values that ask for nothing
 NOT_YET: dict[str, tuple[Any, ...]] = {
-    "prompt_logprobs": (None,), "bad_words": (None, []), "best_of": (None, 1), "suffix": (None, ""),
+    "best_of": (None, 1), "suffix": (None, ""),
     "tools": (None, []), "tool_choice": (None, "none"),
 }
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -46,6 +46,11 @@ class _Sampling(BaseModel):
     logit_bias: dict[int, float] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
@@ -82,7 +87,10 @@ class _Sampling(BaseModel):
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, min_p=self.min_p,
                               logit_bias=self.logit_bias, include_stop_str_in_output=self.include_stop_str_in_output,
-                              skip_special_tokens=self.skip_special_tokens, structured_outputs=self.structure())
+                              skip_special_tokens=self.skip_special_tokens, structured_outputs=self.structure(),
+                              spaces_between_special_tokens=self.spaces_between_special_tokens,
+                              bad_words=self.bad_words, allowed_token_ids=self.allowed_token_ids,
+                              truncate_prompt_tokens=self.truncate_prompt_tokens, prompt_logprobs=self.prompt_logprobs)
 
     def structure(self) -> StructuredOutputs | None:
         """What the output must match: response_format (OpenAI), structured_outputs or a guided_* field (vLLM)."""

@@ -87,6 +87,9 @@ class MLXRunner:
                           ("min_p", 0), ("logit_bias", None)):
             if getattr(params, name) not in (off, {}):
                 raise ValueError(f"{name}: not supported by the MLX runner yet")
+        for name in ("bad_words", "allowed_token_ids", "prompt_logprobs"):
+            if getattr(params, name):
+                raise ValueError(f"{name}: not supported by the MLX runner yet")
         if params.structured_outputs is not None:
             field = params.structured_outputs.field.split(".")[0]
             raise ValueError(f"{field}: not supported by the MLX runner yet")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.runners.base import PickedLogprobs
+from engine.runners.base import PickedLogprobs, Row
 
 
 @dataclass(slots=True)
@@ -20,6 +20,15 @@ class DeviceLogprobs(PickedLogprobs):
         values.copy_(self.values, non_blocking=True)
         ids.copy_(self.ids, non_blocking=True)
         return DeviceLogprobs(self.rows, self.ks, values, ids)
+
+
+def prompt(logits: torch.Tensor, row: Row) -> DeviceLogprobs:
+    """A prefill row's prompt logprobs: at each position, the next prompt token's logprob and rank, and the top
+    `row.prompt_logprobs` (its last position only when the prompt goes on past the row)."""
+    targets = [*row.tokens[1:], *([row.next_token] if row.next_token >= 0 else [])]
+    n = len(targets)
+    return pick(torch.log_softmax(logits[:n], dim=-1), torch.tensor(targets, device=logits.device), list(range(n)),
+                [row.prompt_logprobs] * n)
 
 
 def raw(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

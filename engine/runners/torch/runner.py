@@ -31,6 +31,7 @@ class Step:
     logprobs: DeviceLogprobs | None = None   # of the rows that asked
     host: torch.Tensor | None = None  # pinned copy of tokens (CUDA); logprobs are then pinned copies too
     done: torch.cuda.Event | None = None
+    prompt: dict[int, DeviceLogprobs] | None = None      # prompt logprobs, by row
 
 
 class TorchRunner:
@@ -141,7 +142,14 @@ class TorchRunner:
         if decode:
             return Step(rows, self.model.logits(hidden), None)
         picked = [i for i, r in enumerate(rows) if r.sample]
-        return Step(rows, self.model.logits(hidden[[last[i] for i in picked]]) if picked else None, picked)
+        step = Step(rows, self.model.logits(hidden[[last[i] for i in picked]]) if picked else None, picked)
+        asked = [(i, r) for i, r in enumerate(rows) if r.prompt_logprobs is not None]
+        if asked:
+            step.prompt = {i: logprobs.prompt(self.model.logits(hidden[last[i] + 1 - r.length:last[i] + 1]), r)
+                           for i, r in asked}
+            if self.device.type == "cuda":
+                step.prompt = {i: found.to_host() for i, found in step.prompt.items()}
+        return step
 
     @torch.inference_mode()
     def sample(self, step: Step) -> None:
@@ -174,4 +182,5 @@ class TorchRunner:
         if step.done is not None:
             step.done.synchronize()
         tokens = (step.tokens if step.host is None else step.host).tolist()
-        return Sampled(tokens, step.logprobs and step.logprobs.read(len(tokens)))
+        prompt = step.prompt and {i: found.read(len(found.rows)) for i, found in step.prompt.items()}
+        return Sampled(tokens, step.logprobs and step.logprobs.read(len(tokens)), prompt)

@@ -10,8 +10,12 @@ from engine.runners.base import Row
 def sample(logits: torch.Tensor, rows: list[Row], generator_for) -> torch.Tensor:
     """logits [B, V] fp32 -> token ids [B] (int64), sampled without leaving the device."""
     for i, row in enumerate(rows):
-        if row.ban:
-            logits[i, list(row.ban)] = float("-inf")
+        ban = [*row.ban, *row.ban_later()] if row.ban_later else row.ban
+        if ban:
+            logits[i, list(ban)] = float("-inf")
+        if row.params is not None and row.params.allowed_token_ids:
+            keep = torch.tensor(row.params.allowed_token_ids, device=logits.device)
+            logits[i] = torch.full_like(logits[i], float("-inf")).index_copy_(0, keep, logits[i, keep])
     tokens = logits.argmax(-1)
     for i, row in enumerate(rows):
         if row.params is not None and not row.params.greedy:
