@@ -2,15 +2,13 @@
 `on_delta` the moment it exists (a prefill's first token does not wait for the decode step launched after it)."""
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
 from functools import partial
 
 from engine.config import EngineConfig
-from engine.core.bad_words import BadWords
+from engine.core.intake import Intake
 from engine.core.lookahead import Lookahead
 from engine.core.output import Delta, Output
 from engine.core.recorder import Recorder
@@ -51,13 +49,11 @@ class Engine:
         self.lookahead = Lookahead(runner, config.use_lookahead)
         self.on_delta = on_delta
         self.requests: dict[int, Request] = {}
-        self.ids = itertools.count()
-        self.fork_ids = itertools.count(-1, -1)      # parallel sampling's extra sequences: never a client's id
+        self.intake = Intake(config, runner, self.tokenizer, self.kv, self.max_model_len)
         self.forking: list[Request] = []             # first sequences whose prefill their forks wait for
         self.cancels: deque[int] = deque()
         self.steps = 0
         self.failpoints = config.failpoints
-        self.grammars = None
 
     def _storage(self) -> KVStorage:
         config, runner = self.config, self.runner
@@ -78,63 +74,9 @@ class Engine:
     # ---- requests in ----
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                      request_id: int | None = None) -> Request:
-        """Validate and tokenize; raises ValueError naming the field. Thread-safe. `request_id`: for a caller that
-        numbers its requests itself."""
-        params = params or SamplingParams()
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-            field = "prompt"
-        else:
-            ids, field = list(prompt), "input_ids"
-            vocab = self.runner.vocab_size
-            for t in ids:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                    raise ValueError(f"input_ids: token id {t!r} is outside the vocabulary [0, {vocab})")
-        if not ids:
-            raise ValueError(f"{field}: must not be empty")
-        if params.truncate_prompt_tokens is not None:          # as vLLM: the prompt's last k tokens
-            keep = params.truncate_prompt_tokens if params.truncate_prompt_tokens > 0 else self.max_model_len - 1
-            ids = ids[-keep:]
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"{field}: {len(ids)} tokens leave no room in the model's context of "
-                             f"{self.max_model_len}")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"max_tokens: prompt ({len(ids)}) + max_tokens ({params.max_tokens}) exceeds the "
-                             f"model's context of {self.max_model_len}")
-        self.runner.check(params)
-        for name in ("logit_bias", "allowed_token_ids"):
-            for t in getattr(params, name) or ():
-                if t >= self.runner.vocab_size:
-                    raise ValueError(f"{name}: token id {t} is outside the vocabulary [0, {self.runner.vocab_size})")
-        if params.n > self.config.max_batch_size:
-            raise ValueError(f"n: {params.n} sequences exceed max_batch_size ({self.config.max_batch_size})")
-        req = Request(next(self.ids) if request_id is None else request_id, ids, params)
-        if params.n > 1:
-            req.group = [req]
-            for i in range(1, params.n):          # as vLLM: each sequence n=1, a seeded one seed + its index
-                seed = None if params.seed is None else params.seed + i
-                req.group.append(Request(next(self.fork_ids), ids, replace(params, n=1, seed=seed), index=i,
-                                         group=req.group))
-            req.params = replace(params, n=1)
-            req.forks = req.group[1:]
-        if not self.kv.fits(req):
-            raise ValueError(f"{field}: {len(ids)} tokens need more KV blocks than the pool holds")
-        compiled = params.structured_outputs and self._grammars().compile(params.structured_outputs)
-        bad = BadWords.of(params.bad_words, self.tokenizer.encode) if params.bad_words else None
-        if params.prompt_logprobs is not None:
-            req.prompt_logprobs = [None]               # the first prompt token has nothing before it
-        for seq in req.group or [req]:
-            seq.detok = self.tokenizer.detokenizer(params.skip_special_tokens)
-            seq.grammar = compiled and self.grammars.matcher(compiled)
-            seq.bad_words = bad
-        return req
-
-    def _grammars(self):
-        """xgrammar over this checkpoint's vocabulary, made at the first structured-output request."""
-        if self.grammars is None:
-            from engine.grammar import Grammars
-            self.grammars = Grammars(self.tokenizer, self.runner.vocab_size, self.runner.eos_token_ids)
-        return self.grammars
+        """Validate and tokenize (engine/core/intake.py); raises ValueError naming the field. Thread-safe.
+        `request_id`: for a caller that numbers its requests itself."""
+        return self.intake.make(prompt, params, request_id)
 
     def add(self, req: Request) -> Request:
         self.scheduler.add(req)
