@@ -12,15 +12,19 @@ if not torch.cuda.is_available():
 from engine.models.presets import make_model
 
 
+def made(tmp_path_factory, preset: str, seed: int = 0) -> str:
+    return str(make_model(preset, tmp_path_factory.mktemp(preset), seed=seed))
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> str:
-    return str(make_model("tiny", tmp_path_factory.mktemp("tiny"), seed=0))
+    return made(tmp_path_factory, "tiny")
 
 
 @pytest.fixture(scope="session")
 def odd_dir(tmp_path_factory) -> str:
     """Odd head counts (7 query heads, 1 KV head) and tied embeddings."""
-    return str(make_model("tiny-odd", tmp_path_factory.mktemp("tiny-odd"), seed=1))
+    return made(tmp_path_factory, "tiny-odd", seed=1)
 
 
 @pytest.fixture(params=["tiny", "tiny-odd"])
@@ -37,10 +41,10 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 @pytest.fixture(scope="session")
 def qwen_tiny_dir(tmp_path_factory) -> str:
     """Tiny geometry with Qwen2.5's real tokenizer (151,665 tokens) and chat template."""
-    return str(make_model("tiny-qwen", tmp_path_factory.mktemp("tiny-qwen"), seed=0))
+    return made(tmp_path_factory, "tiny-qwen")
 
 
 @pytest.fixture(scope="session")
 def qwen_dir(tmp_path_factory) -> str:
     """The qwen2.5-0.5b preset: Qwen2.5-0.5B's geometry and tokenizer, random weights."""
-    return str(make_model("qwen2.5-0.5b", tmp_path_factory.mktemp("qwen2.5-0.5b"), seed=0))
+    return made(tmp_path_factory, "qwen2.5-0.5b")
