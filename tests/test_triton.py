@@ -127,8 +127,11 @@ def test_n_sequences_carry_one_element_each(server, tiny_dir):
     assert whole[0]["num_output_tokens"].tolist() == [6, 6, 6]
     assert whole[0]["output_ids"].tolist() == [t for o in want.outputs for t in o.token_ids]
     status, body = http(server, "/v2/models/llm/generate", {"input_ids": ids, "sampling_parameters": json.dumps(sent),
-                                                             "return_finish_reason": True})
-    assert status == 200 and json.loads(body)["text_output"] == [o.text for o in want.outputs]
+                                                             "return_finish_reason": True,
+                                                             "return_num_output_tokens": True})
+    out = json.loads(body)
+    assert status == 200 and out["text_output"] == [o.text for o in want.outputs]
+    assert out["num_output_tokens"] == [6, 6, 6] and out["finish_reason"] == ["length"] * 3
     for bad, message in (({"n": 0}, "n: must be >= 1"), ({"n": "x"}, "n: expected an integer"),
                          ({"n": 64}, "n: 64 sequences exceed max_batch_size")):
         _, error = collect(server, grpc_inputs(ids, bad))
