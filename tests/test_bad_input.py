@@ -50,6 +50,9 @@ TRITON_CASES = [
      "prompt_logprobs"),
     ("structured-outputs-bad-regex", {"text_input": "hi", "sampling_parameters":
                                       '{"structured_outputs": "{\\"regex\\": \\"(\\"}"}'}, "structured_outputs.regex"),
+    ("cache-salt-not-string", {"text_input": "hi", "sampling_parameters": '{"cache_salt": 5}'}, "cache_salt"),
+    ("cache-salt-too-long", {"text_input": "hi", "sampling_parameters": '{"cache_salt": "%s"}' % ("x" * 300)},
+     "cache_salt"),
     ("params-lora-name", {"text_input": "hi", "sampling_parameters": '{"lora_name": "adapter"}'}, "lora_name"),
     ("penalty-out-of-range", {"text_input": "hi", "sampling_parameters": '{"presence_penalty": 9}'},
      "presence_penalty"),

@@ -5,7 +5,7 @@ import pytest
 
 from engine.kv.block_pool import BlockPool
 from engine.kv.dense import DenseStore
-from engine.kv.prefix_cache import PrefixCache, block_hash
+from engine.kv.prefix_cache import PrefixCache, root
 
 
 def test_allocate_release_and_lru_eviction():
@@ -13,16 +13,16 @@ def test_allocate_release_and_lru_eviction():
     pool = BlockPool(4, block_size=2, index=cache)
     a, b, c, d = (pool.allocate() for _ in range(4))
     assert not pool.can_allocate(1)
-    cache.register(a, block_hash(0, [1, 2]), [1, 2])
-    cache.register(b, block_hash(block_hash(0, [1, 2]), [3, 4]), [3, 4])
+    first = cache.register(a, root(None), [1, 2])
+    cache.register(b, first, [3, 4])
     for blk in (b, a, c, d):
         pool.release(blk)
     assert (pool.num_free, pool.num_cached, pool.num_used) == (2, 2, 0)
-    assert cache.match([1, 2, 3, 4, 5]) == [a, b]
+    assert [k.block for k in cache.match([1, 2, 3, 4, 5])] == [a, b]
     pool.allocate(), pool.allocate()              # the free list first
     assert pool.num_cached == 2
     pool.allocate()                               # then the least recently freed cached block: b
-    assert cache.match([1, 2, 3, 4]) == [a]
+    assert [k.block for k in cache.match([1, 2, 3, 4])] == [a]
     pool.adopt(a)
     assert pool.ref[a] == 1 and pool.num_cached == 0
     with pytest.raises(MemoryError):
@@ -45,10 +45,8 @@ def test_duplicate_content_registers_once():
     cache = PrefixCache(2)
     pool = BlockPool(3, block_size=2, index=cache)
     a, b = pool.allocate(), pool.allocate()
-    h = block_hash(0, [7, 8])
-    cache.register(a, h, [7, 8])
-    cache.register(b, h, [7, 8])
-    assert cache.index == {h: a}
+    key = cache.register(a, root(None), [7, 8])
+    assert cache.register(b, root(None), [7, 8]) == key and list(cache.index.values()) == [[a]]
     pool.release(b)
     assert pool.num_free == 2          # b holds no cached content: straight back to the free list
 

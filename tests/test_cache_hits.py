@@ -40,9 +40,9 @@ def test_block_hash_verified_against_tokens(tiny_dir):
     prompt = random_ids(100, seed=1)
     llm.generate(prompt, GREEDY)
     cache = llm.engine.kv.cache
-    block = cache.match(prompt)[0]
-    h, tokens = cache.content[block]
-    cache.content[block] = (h, tuple(reversed(tokens)))
+    block = cache.match(prompt)[0].block
+    entry = cache.content[block]
+    cache.content[block] = entry._replace(tokens=tuple(reversed(entry.tokens)))
     assert cache.match(prompt) == []
     assert llm.generate(prompt, GREEDY)[0].cached_tokens == 0
 

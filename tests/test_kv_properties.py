@@ -113,10 +113,11 @@ class PagedKVMachine(RuleBasedStateMachine):
 
     @invariant()
     def cache_maps_to_real_content(self):
-        for h, b in self.cache.index.items():
-            stored_hash, tokens = self.cache.content[b]
-            assert stored_hash == h
-            assert [self.truth[b][o] for o in range(BS)] == list(tokens)
+        for h, blocks in self.cache.index.items():
+            for b in blocks:
+                entry = self.cache.content[b]
+                assert entry.bucket == h and entry.key.block == b
+                assert [self.truth[b][o] for o in range(BS)] == list(entry.tokens)
 
 
 PagedKVMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

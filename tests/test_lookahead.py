@@ -53,8 +53,8 @@ def test_unwind_when_a_row_stops_with_a_step_in_flight(tiny_dir, storage):
         unwinds = eng.metrics.value("pagoda_lookahead_unwinds_total")
         stopping_other = outs[1].finish_reason == "stop"
         assert unwinds == (0 if not lookahead else 1 + stopping_other)
-        results[lookahead] = (eng.kv.stats(), sorted(eng.kv.cache.index) if storage == "paged" else
-                              sorted(tokens for tokens, _ in eng.kv.store.entries.values()))
+        results[lookahead] = (eng.kv.stats(), sorted((e.parent, e.tokens) for e in eng.kv.cache.content.values())
+                              if storage == "paged" else sorted(e[0] for e in eng.kv.store.entries.values()))
     assert results[True] == results[False]       # the cache after unwinding is the synchronous path's
 
 

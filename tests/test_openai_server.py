@@ -256,6 +256,17 @@ def test_prompt_logprobs_and_bad_words_through_the_server(server, tiny_dir):
     assert status == 200 and set(body["choices"][0]["token_ids"]) <= {11, 12}
 
 
+def test_cache_salt_separates_tenants(server):
+    prompt = random_ids(80, seed=21)
+
+    def cached(**salt):
+        status, body = post(server, "/v1/completions", {"model": "tiny0", "prompt": prompt, "max_tokens": 2, **salt})
+        assert status == 200
+        return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached(cache_salt="a") == 0 and cached(cache_salt="b") == 0 and cached() == 0
+    assert cached(cache_salt="a") > 0
+
+
 def test_models_health_metrics(server):
     models = json.loads(urllib.request.urlopen(f"http://{server}/v1/models").read())
     assert [m["id"] for m in models["data"]] == ["tiny0"]
@@ -274,6 +285,8 @@ def test_models_health_metrics(server):
     ({"model": "tiny0", "prompt": "hi", "response_format": {"type": "xml"}}, "response_format"),
     ({"model": "tiny0", "prompt": "hi", "structured_outputs": {"regex": "("}}, "structured_outputs.regex"),
     ({"model": "tiny0", "prompt": "hi", "best_of": 3}, "best_of"),
+    ({"model": "tiny0", "prompt": "hi", "cache_salt": 5}, "cache_salt"),
+    ({"model": "tiny0", "prompt": "hi", "cache_salt": "x" * 300}, "cache_salt"),
     ({"model": "tiny0", "prompt": "hi", "logprobs": 21}, "logprobs"),
 ])
 def test_bad_requests_are_400_naming_the_field(server, body, field):

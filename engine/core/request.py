@@ -30,7 +30,7 @@ class Request:
     num_allocated: int = 0
     num_cached: int = -1                  # tokens adopted from the prompt cache at first admission
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
+    block_keys: list = field(default_factory=list)    # the prefix cache's registrations of its full blocks
     buf: int = -1                         # dense buffer id
     # text
     text: str = ""

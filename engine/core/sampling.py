@@ -35,6 +35,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None    # only these tokens are sampled
     truncate_prompt_tokens: int | None = None     # keep the prompt's last k tokens (-1: as many as the model takes)
     structured_outputs: StructuredOutputs | None = None     # a dict or its JSON text is parsed into one
+    cache_salt: str | None = None     # requests share cached KV only with requests of the same salt
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -108,6 +109,10 @@ class SamplingParams:
                 _int("logit_bias", token, low=0)
                 _num("logit_bias", bias)
             self.logit_bias = {t: min(100.0, max(-100.0, b)) for t, b in self.logit_bias.items()}   # as vLLM
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
+                                            or len(self.cache_salt) > MAX_SALT):
+            raise ValueError(f"cache_salt: must be a non-empty string of at most {MAX_SALT} characters, got "
+                             f"{_short(self.cache_salt)}")
         for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be a boolean, got {getattr(self, name)!r}")
@@ -144,6 +149,7 @@ class SamplingParams:
 
 
 MAX_LOGPROBS = 20
+MAX_SALT = 256
 # vLLM SamplingParams keys (and vllm_backend's lora_name and best_of) this server does not honour yet -> the values
 # that ask for nothing, which are accepted
 NOT_HONOURED: dict[str, tuple[Any, ...]] = {
@@ -155,7 +161,7 @@ NOT_HONOURED: dict[str, tuple[Any, ...]] = {
     "routed_experts_prompt_start": (0,), "trace_decode_token_ids": (None,), "lora_name": (None, ""),
 }
 _INTS = {"n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"}
-NULLABLE = {"seed", "logprobs", "prompt_logprobs", "logit_bias", "structured_outputs", "bad_words",
+NULLABLE = {"cache_salt", "seed", "logprobs", "prompt_logprobs", "logit_bias", "structured_outputs", "bad_words",
             "allowed_token_ids", "truncate_prompt_tokens"}
 _FLOATS = {"temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"}
 
@@ -201,6 +207,11 @@ def _coerce_any(value: Any) -> Any:
         return int(text)
     except ValueError:
         return value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}... ({len(value) if isinstance(value, str) else '?'} chars)"
 
 
 def _fail(key: str, value: Any, what: str) -> Any:

@@ -33,7 +33,8 @@ class DenseKV:
         return True
 
     def admit(self, req: Request) -> bool:
-        taken = self.store.take(req.all_ids) if self.store and req.params.prompt_logprobs is None else None
+        taken = self.store.take(req.all_ids, req.params.cache_salt) if self.store and \
+            req.params.prompt_logprobs is None else None
         if taken is None:
             req.buf, adopted = self._alloc(round_up(req.prefill_target + 1)), 0
         else:
@@ -68,7 +69,7 @@ class DenseKV:
             self._free(buf)
         else:
             nbytes = self.capacity[buf] * self.bytes_per_token
-            self.store.donate(buf, req.all_ids[:req.num_computed], nbytes)
+            self.store.donate(buf, req.all_ids[:req.num_computed], nbytes, req.params.cache_salt)
 
     def stats(self) -> dict[str, int]:
         stored = len(self.store.entries) if self.store else 0
@@ -86,38 +87,41 @@ class DenseKV:
 
 class DenseStore:
     """The prompt cache of dense KV: finished sequences' buffers (tokens + KV), least recently donated evicted
-    first, within a byte bound."""
+    first, within a byte bound. A buffer is taken only by a request of the same cache salt."""
 
     def __init__(self, max_bytes: int, free: Callable[[int], None]) -> None:
         self.max_bytes = max_bytes
         self.free = free
-        self.entries: OrderedDict[int, tuple[tuple[int, ...], int]] = OrderedDict()   # buf -> (tokens, bytes)
+        self.entries: OrderedDict[int, tuple[tuple[int, ...], int, str | None]] = OrderedDict()  # buf -> (tokens,
+        #                                                                                     bytes, salt)
         self.bytes = 0
 
-    def donate(self, buf: int, tokens: Sequence[int], nbytes: int) -> None:
+    def donate(self, buf: int, tokens: Sequence[int], nbytes: int, salt: str | None = None) -> None:
         if nbytes > self.max_bytes or not tokens:
             self.free(buf)
             return
         while self.bytes + nbytes > self.max_bytes:
             self.evict()
-        self.entries[buf] = (tuple(tokens), nbytes)
+        self.entries[buf] = (tuple(tokens), nbytes, salt)
         self.bytes += nbytes
 
-    def take(self, tokens: Sequence[int]) -> tuple[int, int] | None:
-        """Remove and return (buf, matched) for the entry sharing the longest prefix with `tokens`."""
+    def take(self, tokens: Sequence[int], salt: str | None = None) -> tuple[int, int] | None:
+        """Remove and return (buf, matched) for the entry of this salt sharing the longest prefix with `tokens`."""
         best, best_len = None, 0
-        for buf, (stored, _) in self.entries.items():
+        for buf, (stored, _, stored_salt) in self.entries.items():
+            if stored_salt != salt:
+                continue
             n = common_prefix(stored, tokens)
             if n > best_len:
                 best, best_len = buf, n
         if best is None:
             return None
-        _, nbytes = self.entries.pop(best)
+        _, nbytes, _ = self.entries.pop(best)
         self.bytes -= nbytes
         return best, best_len
 
     def evict(self) -> None:
-        buf, (_, nbytes) = self.entries.popitem(last=False)
+        buf, (_, nbytes, _) = self.entries.popitem(last=False)
         self.bytes -= nbytes
         self.free(buf)
 

@@ -5,7 +5,7 @@ from collections.abc import Callable
 
 from engine.core.request import Request
 from engine.kv.block_pool import BlockPool
-from engine.kv.prefix_cache import PrefixCache, block_hash
+from engine.kv.prefix_cache import PrefixCache, root
 
 
 def cdiv(a: int, b: int) -> int:
@@ -32,9 +32,11 @@ class PagedKV:
 
     def admit(self, req: Request) -> bool:
         """Adopt the longest cached prefix and allocate blocks for the rest of the prefill; False if no room."""
-        hits = self.cache.match(req.all_ids) if self.cache and req.params.prompt_logprobs is None else []
-        n_adopt = min(len(hits), (req.seq_len - 1) // self.bs)
-        hits = hits[:n_adopt]
+        keys = self.cache.match(req.all_ids, req.params.cache_salt) if self.cache and \
+            req.params.prompt_logprobs is None else []
+        n_adopt = min(len(keys), (req.seq_len - 1) // self.bs)
+        keys = keys[:n_adopt]
+        hits = [k.block for k in keys]
         needed = cdiv(req.prefill_target, self.bs) - n_adopt
         evictable_hits = sum(1 for b in hits if self.pool.ref[b] == 0)
         if needed > self.pool.num_free + self.pool.num_cached - evictable_hits:
@@ -43,11 +45,7 @@ class PagedKV:
             self.pool.adopt(b)
         expected = cdiv(len(req.prompt_ids) + req.params.max_tokens, self.bs) - n_adopt - needed
         req.block_table = hits + self.pool.allocate_run(needed, hits[-1] if hits else None, max(0, expected))
-        req.block_hashes = []
-        parent = 0
-        for i in range(n_adopt):
-            parent = block_hash(parent, req.all_ids[i * self.bs:(i + 1) * self.bs])
-            req.block_hashes.append(parent)
+        req.block_keys = keys
         req.num_computed = req.num_allocated = n_adopt * self.bs
         return True
 
@@ -55,7 +53,7 @@ class PagedKV:
         for b in src.block_table:
             self.pool.adopt(b)
         dst.block_table = list(src.block_table)
-        dst.block_hashes = list(src.block_hashes)
+        dst.block_keys = list(src.block_keys)
 
     def grow(self, req: Request, positions: int) -> bool:
         """Ensure blocks cover `positions` and the block of the next write is private (a forked sequence's shared
@@ -97,13 +95,11 @@ class PagedKV:
         """Register every newly full block of committed KV with the prompt cache."""
         if self.cache is None:
             return
-        ids, bs = None, self.bs
-        for i in range(len(req.block_hashes), req.num_computed // bs):
+        ids, bs, keys = None, self.bs, req.block_keys
+        for i in range(len(keys), req.num_computed // bs):
             ids = ids or req.all_ids
-            chunk = ids[i * bs:(i + 1) * bs]
-            h = block_hash(req.block_hashes[-1] if req.block_hashes else 0, chunk)
-            req.block_hashes.append(h)
-            self.cache.register(req.block_table[i], h, chunk)
+            parent = keys[-1] if keys else root(req.params.cache_salt)
+            keys.append(self.cache.register(req.block_table[i], parent, ids[i * bs:(i + 1) * bs]))
 
     def release(self, req: Request) -> None:
         """Drop the request's references, tail first, so a chain's head is evicted last."""
@@ -112,7 +108,7 @@ class PagedKV:
         for b in reversed(req.block_table):
             self.pool.release(b)
         req.block_table = []
-        req.block_hashes = []
+        req.block_keys = []
 
     def stats(self) -> dict[str, int]:
         return {"free": self.pool.num_free, "used": self.pool.num_used, "cached": self.pool.num_cached}

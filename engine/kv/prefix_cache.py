@@ -1,48 +1,92 @@
-"""The prompt cache of paged KV: a hash-chained index of full blocks, exact on tokens.
+"""The prompt cache of paged KV: an index of full blocks, exact on tokens and on the whole chain before them.
 
-A block is found only if its tokens and its whole parent chain match, whatever the hash does. The block pool
-asks the index whether a freed block holds cached content (then it stays reusable) and tells it when it
-evicts one.
+Each registered block records its tokens and its parent: the registration of the block before it, as a Key (the
+block id with the registration's number, so a parent that was evicted and reused for other tokens is never taken
+for the old one), or, for a chain's first block, the request's cache salt. A block is found only if its tokens and
+its parent are equal to what the prompt has there, so by induction its whole prefix is: the hash only picks a
+bucket to look in, and a collision costs a longer look, never another prompt's KV. Requests with different salts
+share nothing.
+
+The block pool asks the index whether a freed block holds cached content (then it stays reusable) and tells it
+when it evicts one.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 
-def block_hash(parent: int, tokens: Sequence[int]) -> int:
+class Key(NamedTuple):
+    """One registration: the block that holds it and its number (unique over the index's life)."""
+    block: int
+    serial: int
+
+
+Parent = Key | tuple[str, str | None]        # the block before, or ("root", cache salt) for a chain's first block
+
+
+def root(salt: str | None) -> Parent:
+    return ("root", salt)
+
+
+def bucket(parent: Parent, tokens: Sequence[int]) -> int:
     return hash((parent, tuple(tokens)))
 
 
-class PrefixCache:
-    """Maps the hash chain of a full block's tokens to the block holding their KV."""
+class Entry(NamedTuple):
+    key: Key
+    parent: Parent
+    tokens: tuple[int, ...]
+    bucket: int
 
+
+class PrefixCache:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.index: dict[int, int] = {}
-        self.content: dict[int, tuple[int, tuple[int, ...]]] = {}   # block -> (hash, tokens)
+        self.index: dict[int, list[int]] = {}       # bucket -> blocks registered under it
+        self.content: dict[int, Entry] = {}         # block -> what it holds
+        self.serials = itertools.count()
 
     def __contains__(self, block: int) -> bool:
         return block in self.content
 
-    def match(self, tokens: Sequence[int]) -> list[int]:
-        """Blocks holding the longest cached chain of full blocks that prefixes `tokens`."""
-        bs, parent, blocks = self.block_size, 0, []
+    def match(self, tokens: Sequence[int], salt: str | None = None) -> list[Key]:
+        """The registrations of the longest cached chain of full blocks that prefixes `tokens`."""
+        bs, parent, keys = self.block_size, root(salt), []
         for start in range(0, len(tokens) - bs + 1, bs):
-            chunk = tuple(tokens[start:start + bs])
-            h = block_hash(parent, chunk)
-            block = self.index.get(h)
-            if block is None or self.content[block][1] != chunk:
+            found = self._find(parent, tuple(tokens[start:start + bs]))
+            if found is None:
                 break
-            blocks.append(block)
-            parent = h
-        return blocks
+            keys.append(found)
+            parent = found
+        return keys
 
-    def register(self, block: int, h: int, tokens: Sequence[int]) -> None:
-        if h in self.index or block in self.content:
-            return      # the same content is already cached in another block
-        self.index[h] = block
-        self.content[block] = (h, tuple(tokens))
+    def register(self, block: int, parent: Parent, tokens: Sequence[int]) -> Key:
+        """Offer a full block; returns the registration that now stands for these tokens after `parent` (an
+        earlier one, when another block already holds them: then `block` stays unregistered)."""
+        tokens = tuple(tokens)
+        found = self._find(parent, tokens)
+        if found is not None:
+            return found
+        if block in self.content:          # a block holds one registration; a fork's shared block is offered again
+            return self.content[block].key
+        h = bucket(parent, tokens)
+        key = Key(block, next(self.serials))
+        self.content[block] = Entry(key, parent, tokens, h)
+        self.index.setdefault(h, []).append(block)
+        return key
 
     def forget(self, block: int) -> None:
-        h, _ = self.content.pop(block)
-        del self.index[h]
+        entry = self.content.pop(block)
+        blocks = self.index[entry.bucket]
+        blocks.remove(block)
+        if not blocks:
+            del self.index[entry.bucket]
+
+    def _find(self, parent: Parent, tokens: tuple[int, ...]) -> Key | None:
+        for block in self.index.get(bucket(parent, tokens), ()):
+            entry = self.content[block]
+            if entry.parent == parent and entry.tokens == tokens:
+                return entry.key
+        return None

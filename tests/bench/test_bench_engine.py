@@ -6,7 +6,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.kv.block_pool import BlockPool
-from engine.kv.prefix_cache import PrefixCache, block_hash
+from engine.kv.prefix_cache import PrefixCache, root
 from tests.helpers import random_ids
 
 
@@ -23,9 +23,7 @@ def test_bench_prefix_match(benchmark):
     cache = PrefixCache(32)
     pool = BlockPool(64, 32, index=cache)
     tokens = random_ids(32 * 60, seed=2)
-    parent = 0
+    parent = root(None)
     for i in range(60):
-        chunk = tokens[i * 32:(i + 1) * 32]
-        parent = block_hash(parent, chunk)
-        cache.register(pool.allocate(), parent, chunk)
+        parent = cache.register(pool.allocate(), parent, tokens[i * 32:(i + 1) * 32])
     assert len(benchmark(cache.match, tokens)) == 60

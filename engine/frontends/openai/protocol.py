@@ -51,6 +51,7 @@ class _Sampling(BaseModel):
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
+    cache_salt: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
@@ -90,7 +91,8 @@ class _Sampling(BaseModel):
                               skip_special_tokens=self.skip_special_tokens, structured_outputs=self.structure(),
                               spaces_between_special_tokens=self.spaces_between_special_tokens,
                               bad_words=self.bad_words, allowed_token_ids=self.allowed_token_ids,
-                              truncate_prompt_tokens=self.truncate_prompt_tokens, prompt_logprobs=self.prompt_logprobs)
+                              truncate_prompt_tokens=self.truncate_prompt_tokens, prompt_logprobs=self.prompt_logprobs,
+                              cache_salt=self.cache_salt)
 
     def structure(self) -> StructuredOutputs | None:
         """What the output must match: response_format (OpenAI), structured_outputs or a guided_* field (vLLM)."""
