@@ -138,3 +138,18 @@ def post(url: str, path: str, body: dict | bytes, headers: dict | None = None) -
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+def missing_series(metrics_url: str) -> list[str]:
+    """The registry's series (Metrics().series()) that a scrape of `metrics_url` lacks (histogram samples by name
+    only: Triton spells their bounds its own way)."""
+    from engine.serving.metrics import Metrics
+    lines = [line for line in urllib.request.urlopen(metrics_url, timeout=10).read().decode().splitlines()
+             if line and not line.startswith("#")]
+    missing = []
+    for name, labels in Metrics().series():
+        histogram = name.endswith(("_bucket", "_count", "_sum"))
+        want = [] if histogram else [f'{k}="{v}"' for k, v in labels.items()]
+        if not any(line.split("{")[0].split(" ")[0] == name and all(w in line for w in want) for line in lines):
+            missing.append(f"{name}{labels}")
+    return missing

@@ -14,7 +14,7 @@ from client.metrics import scrape
 from client.stream import stream_openai
 from engine import LLM, SamplingParams
 from engine.tokenizer import Tokenizer
-from tests.helpers import post, random_ids, wait_until
+from tests.helpers import missing_series, post, random_ids, wait_until
 from tests.helpers import start_openai as start
 
 PROMPT = random_ids(70, seed=11)
@@ -56,6 +56,13 @@ def wait_cancelled(url: str, count: float) -> None:
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and metric(url, "pagoda_requests_total", status="cancelled") < count:
         time.sleep(0.1)
+
+
+def test_every_series_exists_before_any_request(server):
+    """First in this module: nothing served yet, and every pagoda_* series is there."""
+    assert missing_series(f"http://{server}/metrics") == []
+    assert metric(server, "pagoda_kv_blocks", state="free") > 0
+    assert metric(server, "pagoda_requests_total", status="completed") == 0
 
 
 def test_completions_match_offline_and_report_cached_tokens(server, tiny_dir):

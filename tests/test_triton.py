@@ -15,7 +15,7 @@ from client.metrics import scrape
 from client.stream import grpc_inputs, stream_grpc, stream_http
 from engine import LLM, SamplingParams
 from scripts import tritonserver as triton_server
-from tests.helpers import collect, random_ids, stop_checked, wait_until
+from tests.helpers import collect, missing_series, random_ids, stop_checked, wait_until
 
 PROMPT = ("A serving engine reads a prompt, turns it into tokens, and computes the keys and values of every token "
           "once. Those keys and values are kept in a cache, so that each new token only attends to what was already "
@@ -28,6 +28,14 @@ def server(tiny_dir, tmp_path_factory):
     srv = triton_server.launch({"PAGODA_MODEL": tiny_dir, "PAGODA_DTYPE": "float32"}, log)
     yield srv
     stop_checked(srv)
+
+
+def test_every_series_exists_before_any_request(server):
+    """First in this module: the server has served nothing yet. A dashboard or router sees every pagoda_* series,
+    counters at 0 and the pool's size free."""
+    assert missing_series(server.metrics_url) == []
+    assert scrape(server.metrics_url, "pagoda_kv_blocks", state="free") > 0
+    assert scrape(server.metrics_url, "pagoda_requests_total", status="completed") == 0
 
 
 def test_stream_matches_offline_and_reports_extras(server, tiny_dir):

@@ -113,3 +113,25 @@ def test_mirror_copies_counters_gauges_and_histograms():
     assert fam["pagoda_kv_blocks"].metrics[0].value == 7
     ttft = fam["pagoda_time_to_first_token_seconds"].metrics[0]
     assert ttft.observed == [0.2] and ttft.buckets[0] == 0.005
+
+
+def test_every_series_exists_before_any_request():
+    """Counters at 0 for each label value, the KV gauges, empty histograms: in the registry and in the mirror."""
+    m = Metrics()
+    names = {name for name, _ in m.series()}
+    assert {"pagoda_requests_total", "pagoda_prompt_cache_hits_total", "pagoda_engine_restarts_total",
+            "pagoda_time_to_first_token_seconds_count", "pagoda_time_to_first_token_seconds_bucket"} <= names
+    assert {labels["status"] for name, labels in m.series() if name == "pagoda_requests_total"} == \
+        {"completed", "cancelled", "error"}
+    assert {labels["state"] for name, labels in m.series() if name == "pagoda_kv_blocks"} == {"free", "used", "cached"}
+    FakeFamily.families = {}
+    mirror = Mirror(m, FakeFamily, {"counter": "C", "gauge": "G", "histogram": "H"}, {"model": "llm"})
+    mirror.sync()
+    made = {(name, tuple(sorted(x.labels.items()))) for name, fam in FakeFamily.families.items() for x in fam.metrics}
+    for fam in m.registry.collect():
+        name = fam.name + "_total" if fam.type == "counter" else fam.name
+        for s in fam.samples:
+            if fam.type != "histogram" and (fam.type == "gauge" or s.name.endswith("_total")):
+                assert (name, tuple(sorted({"model": "llm", **s.labels}.items()))) in made, s.name
+        if fam.type == "histogram":
+            assert (name, (("model", "llm"),)) in made

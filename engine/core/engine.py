@@ -54,6 +54,7 @@ class Engine:
         self.cancels: deque[int] = deque()
         self.steps = 0
         self.failpoints = config.failpoints
+        self._gauges()                  # every series exists before the first request: the pool's size, free
 
     def _storage(self) -> KVStorage:
         config, runner = self.config, self.runner

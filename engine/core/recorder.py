@@ -8,7 +8,7 @@ from engine.core.request import Request
 from engine.serving.metrics import Metrics
 
 log = logging.getLogger("pagoda")
-STATUS = {"stop": "completed", "length": "completed", "abort": "cancelled", "error": "error"}
+STATUS = {"stop": "completed", "length": "completed", "abort": "cancelled", "error": "error"}   # -> Metrics.STATUSES
 
 
 class Recorder:

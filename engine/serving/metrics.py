@@ -17,9 +17,17 @@ PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 class Metrics:
+    """Every series exists from the start: counters at 0 for each label value they take, gauges at 0 until the
+    engine sets them, histograms empty; a scrape of an idle server shows them all and rate() sees the first
+    increment."""
+    STATUSES = ("completed", "cancelled", "error")
+    KV_STATES = ("free", "used", "cached")
+
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("pagoda_requests", "Requests ended, by status", ["status"], registry=r)
+        for status in self.STATUSES:
+            self.requests.labels(status=status)
         self.prompt_tokens = Counter("pagoda_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("pagoda_generation_tokens", "Tokens generated", registry=r)
         self.cache_queries = Counter("pagoda_prompt_cache_queries", "Prompt-cache lookups", registry=r)
@@ -36,6 +44,8 @@ class Metrics:
         self.preemptions = Counter("pagoda_preemptions", "Requests sent back to the queue for recompute",
                                    registry=r)
         self.kv_blocks = Gauge("pagoda_kv_blocks", "KV blocks (dense: buffers) by state", ["state"], registry=r)
+        for state in self.KV_STATES:
+            self.kv_blocks.labels(state=state)
         self.table_pairs = Counter("pagoda_block_table_pairs", "Adjacent block-table entries of finished "
                                    "requests (paged)", registry=r)
         self.table_consecutive = Counter("pagoda_block_table_consecutive_pairs", "Of those, pairs whose block "
@@ -44,6 +54,8 @@ class Metrics:
                                 "are consecutive ids, over finished requests (paged; 1 before any)", registry=r)
         self.contiguity.set(1.0)
         self.tables = [0, 0]          # adjacent pairs, consecutive pairs: the gauge's running totals
+        self.restarts = Counter("pagoda_engine_restarts", "Times the engine was started again after it died",
+                                registry=r)
         self.batch_size = Gauge("pagoda_batch_size", "Requests running", registry=r)
         self.queue_depth = Gauge("pagoda_queue_depth", "Requests waiting", registry=r)
         self.buckets = {"pagoda_time_to_first_token_seconds": LATENCY,
@@ -60,6 +72,10 @@ class Metrics:
         }
         self.observations: deque[tuple[str, float]] = deque(maxlen=100_000)   # for mirrors to replay
         self.families = {m.describe()[0].name: m for m in vars(self).values() if isinstance(m, (Counter, Gauge))}
+
+    def series(self) -> list[tuple[str, dict[str, str]]]:
+        """Every exported series (name, labels): what a scrape of an idle server shows."""
+        return [(s.name, s.labels) for fam in self.registry.collect() for s in fam.samples]
 
     def count_table(self, pairs: int, consecutive: int) -> None:
         """A finished request's block table, toward the contiguity counters and gauge."""
@@ -121,6 +137,8 @@ class Mirror:
             name = fam.name + "_total" if fam.type == "counter" else fam.name
             self.families[name] = family(name=name, description=fam.documentation, kind=kinds[fam.type])
         metrics.observations.clear()
+        for name in metrics.histograms:              # empty histograms export from the start too
+            self._metric(name, {})
 
     def _metric(self, name: str, labels: dict[str, str]) -> Any:
         key = (name, tuple(sorted(labels.items())))
@@ -135,8 +153,9 @@ class Mirror:
                 if fam.type == "counter" and s.name.endswith("_total"):
                     key = (s.name, tuple(sorted(s.labels.items())))
                     delta = s.value - self.last.get(key, 0.0)
+                    series = self._metric(s.name, s.labels)          # made at 0 on the first sync
                     if delta:
-                        self._metric(s.name, s.labels).increment(delta)
+                        series.increment(delta)
                         self.last[key] = s.value
                 elif fam.type == "gauge":
                     self._metric(s.name, s.labels).set(s.value)

@@ -69,6 +69,8 @@ class ProcessEngine(EngineClient):
             raise RuntimeError(f"engine process: {started.error}")
         self.config: EngineConfig = started.config
         self.metrics = Metrics()                    # the child's, as of its last snapshot
+        first: m.MetricsSnapshot = self.conn.recv()  # the child sends one right after Started
+        self.metrics.apply(first.snapshot)
         self.streams: dict[int, Push] = {}
         self.waiting: dict[int, _Pending] = {}       # submits awaiting the child's validation
         self.ids = itertools.count()
@@ -185,6 +187,7 @@ def serve(conn: Connection) -> None:
         send(m.Started(None, f"{type(e).__name__}: {e}"))
         return
     send(m.Started(engine.config))
+    send(m.MetricsSnapshot(engine.metrics.snapshot()))          # the pool's gauges before any request
     metrics, last = engine.metrics, [time.monotonic()]
 
     def push(d: Delta) -> None:
