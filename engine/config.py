@@ -46,6 +46,11 @@ class EngineConfig:
                             "it, else reference", ("auto", "triton", "reference", "cpu"))
     compile: bool = option(False, "torch runner, paged: torch.compile the decode step (each new shape compiles once)")
     engine_process: bool = option(True, "front ends: run the step loop in a child process (false: a thread)")
+    restart_limit: int = option(5, "engine process deaths within restart_window that end its restarts (then the "
+                                "front end reports not ready)", low=1)
+    restart_window: int = option(60, "seconds over which restart_limit counts deaths", low=1)
+    restart_delay_ms: int = option(250, "wait before restarting a dead engine process; doubles with each death in "
+                                   "the window, up to 8 s", low=0)
 
     def __post_init__(self) -> None:
         validate(self)

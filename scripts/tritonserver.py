@@ -50,12 +50,17 @@ def backend_dir(cache: Path) -> Path:
 CACHE = ROOT / ".cache" / "triton"
 
 
+# explicit model control, every model loaded at start: lets the Python model unload itself when its engine is down
+# for good (a crash loop), so Triton reports it not ready
+CONTROL = ["--model-control-mode=explicit", "--load-model=*"]
+
+
 def command(args: argparse.Namespace, extra: list[str]) -> list[str]:
     backends = backend_dir(CACHE)
     return [str(pytriton_dir() / "bin" / "tritonserver"), f"--model-repository={args.model_repository}",
             f"--backend-directory={backends}", f"--http-port={args.http_port}", f"--grpc-port={args.grpc_port}",
             f"--metrics-port={args.metrics_port}", f"--http-address={args.host}", f"--grpc-address={args.host}",
-            "--allow-metrics=true", "--log-info=true", *extra]
+            "--allow-metrics=true", "--log-info=true", *CONTROL, *extra]
 
 
 def stub_env(cache: Path) -> Path:

@@ -1,12 +1,15 @@
 """ProcessEngine: the step loop in a child process, behind the EngineClient protocol. Its streams match the
 in-process engine's; bad input is refused before streaming; an abort frees the child's KV; metrics and log lines
-come across; a child that dies or is shut down ends every stream with an error."""
+come across; a child that dies or is shut down ends every stream with an error, and a dead child is restarted
+unless it keeps dying."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import queue
+import signal
 import threading
+import time
 
 import pytest
 
@@ -14,7 +17,8 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.serving.metrics import Metrics
 from engine.serving.process import ProcessEngine
-from tests.helpers import greedy, random_ids
+from engine.serving.supervisor import EngineUnavailable, Health, Restarts
+from tests.helpers import greedy, random_ids, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -101,28 +105,58 @@ def test_shutdown_ends_running_streams_and_the_child_exits(tiny_dir):
         last = got.get(timeout=10)
     assert last.finish_reason == "error" and "shut down" in last.error
     assert eng.proc.returncode == 0
-    with pytest.raises(RuntimeError, match="not running"):
+    with pytest.raises(EngineUnavailable, match="shut down"):
         eng.submit([5, 6], greedy(2), got.put)
 
 
-def test_a_child_that_dies_ends_every_stream_with_an_error(tiny_dir):
+def test_a_child_that_dies_is_restarted_and_serves_again(tiny_dir):
+    """SIGKILL (the OOM killer): the open stream ends with an error, submits meanwhile are EngineUnavailable at
+    once, a new child serves the same greedy output, the restart is counted and no block is held."""
     eng = ProcessEngine(EngineConfig(model=tiny_dir, dtype="float32", num_threads=1))
+    prompt = random_ids(20, seed=2)
+    want = collect(eng, prompt, greedy(6))
     got: queue.SimpleQueue = queue.SimpleQueue()
-    eng.submit(random_ids(20, seed=2), greedy(3000), got.put)
+    eng.submit(prompt, greedy(3000), got.put)
     got.get(timeout=60)
-    eng.proc.kill()
+    first = eng.proc.pid
+    eng.proc.send_signal(signal.SIGKILL)
     last = got.get(timeout=10)
     while not last.finished:
         last = got.get(timeout=10)
-    assert last.finish_reason == "error" and "engine process exited" in last.error
-    eng.reader.join(10)
-    assert not eng.running and not eng.streams
-    with pytest.raises(RuntimeError, match="not running"):
-        eng.submit([5, 6], greedy(2), got.put)
-    eng.running = True          # as if a submit passed its check just before the reader saw the child go
-    with pytest.raises(RuntimeError, match="engine process exited"):
-        eng.submit([5, 6], greedy(2), got.put)
-    assert not eng.waiting and not eng.streams
+    assert last.finish_reason == "error" and "engine process exited (code -9)" in last.error
+    if eng.health is Health.RESTARTING:
+        started = time.monotonic()
+        with pytest.raises(EngineUnavailable, match="restarting after the engine process exited"):
+            eng.submit([5, 6], greedy(2), got.put)
+        assert time.monotonic() - started < 1.0                 # refused at once, not after a wait
+    wait_until(lambda: eng.health is Health.UP, "the engine to come back", timeout=60)
+    assert eng.proc.pid != first and collect(eng, prompt, greedy(6)) == want
+    assert eng.metrics.value("pagoda_engine_restarts_total") == 1
+    assert eng.metrics.value("pagoda_kv_blocks", state="used") == 0 and not eng.waiting and not eng.streams
+    eng.shutdown()
+
+
+def test_a_crash_loop_ends_the_restarts(tiny_dir):
+    eng = ProcessEngine(EngineConfig(model=tiny_dir, dtype="float32", num_threads=1, restart_limit=2))
+    eng.proc.kill()
+    wait_until(lambda: eng.health is Health.UP and eng.proc.poll() is None and
+               eng.metrics.value("pagoda_engine_restarts_total") == 1, "the first restart", timeout=60)
+    eng.proc.kill()                                             # the second death within the window
+    wait_until(lambda: eng.health is Health.FAILED, "the supervisor to give up", timeout=60)
+    with pytest.raises(EngineUnavailable, match="died 2 times within 60 s; not restarting"):
+        eng.submit([5, 6], greedy(2), lambda d: None)
+    eng.shutdown()
+
+
+def collect(eng: ProcessEngine, prompt: list[int], params) -> list[int]:
+    got: queue.SimpleQueue = queue.SimpleQueue()
+    eng.submit(prompt, params, got.put)
+    ids, d = [], got.get(timeout=60)
+    ids += d.token_ids
+    while not d.finished:
+        d = got.get(timeout=60)
+        ids += d.token_ids
+    return ids
     eng.shutdown()
 
 
@@ -148,3 +182,9 @@ def test_metrics_apply_brings_a_registry_to_a_snapshot_once():
     parent.apply(child.snapshot())
     assert parent.value("pagoda_requests_total", status="completed") == 4
     assert parent.value("pagoda_kv_blocks", state="used") == 0
+
+
+def test_restarts_back_off_and_stop_in_a_crash_loop():
+    r = Restarts(limit=3, window=60, base=0.5, cap=1.5)
+    assert [r.died(t) for t in (0, 1, 100, 101)] == [0.5, 1.0, 0.5, 1.0]     # the window forgets old deaths
+    assert r.died(102) is None                                               # the third within a minute

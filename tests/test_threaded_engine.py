@@ -9,7 +9,7 @@ import pytest
 from engine import LLM
 from engine.config import EngineConfig
 from engine.serving.threaded import ThreadedEngine
-from tests.helpers import greedy, random_ids
+from tests.helpers import greedy, random_ids, wait_until
 
 
 @pytest.fixture
@@ -80,6 +80,25 @@ def test_failed_step_ends_requests_and_engine_recovers(engine, monkeypatch):
     assert engine.engine.kv.stats()["used"] == 0
     again = asyncio.run(collect(engine, random_ids(20, seed=0), greedy(5)))
     assert again[-1].finish_reason == "length"
+
+
+def test_a_wedged_engine_is_failed_not_left_hanging(tiny_dir):
+    """A step fails and so does ending its requests: the engine reports FAILED, says so on submit, and runs its
+    on_failed hook (in the engine's child process: exit, so the supervisor starts a new one)."""
+    from engine.serving.supervisor import EngineUnavailable, Health
+    failed = []
+    eng = ThreadedEngine(EngineConfig(model=tiny_dir, dtype="float32"), on_failed=lambda: failed.append(True))
+
+    def broken(*args):
+        raise RuntimeError("broken state")
+    eng.engine.step = broken
+    eng.engine.fail_all = broken
+    eng.submit(random_ids(10, seed=1), greedy(5), lambda d: None)
+    wait_until(lambda: eng.health is Health.FAILED, "the engine to give up")
+    assert failed == [True]
+    with pytest.raises(EngineUnavailable, match="failed"):
+        eng.submit([5, 6], greedy(2), lambda d: None)
+    eng.shutdown()
 
 
 def test_shutdown_ends_streams(tiny_dir):

@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.helpers import random_ids
+from tests.helpers import random_ids, wait_until
 
 MODEL_PY = Path(__file__).resolve().parent.parent / "model_repository/llm/1/model.py"
 
 
 class TritonError:
-    INTERNAL, INVALID_ARG, CANCELLED = "INTERNAL", "INVALID_ARG", "CANCELLED"
+    INTERNAL, INVALID_ARG, CANCELLED, UNAVAILABLE = "INTERNAL", "INVALID_ARG", "CANCELLED", "UNAVAILABLE"
 
     def __init__(self, message: str, code: str = "INTERNAL") -> None:
         self.message, self.code = message, code
@@ -186,3 +186,22 @@ def test_a_response_that_cannot_be_built_fails_its_request_and_the_model_serves_
     assert idle(model)
     again = run(model, random_ids(20, seed=6), 4)
     assert [r.error for r, _, _ in again.sent] == [None] * 4 and again.sent[-1][1] == 1
+
+
+def test_while_the_engine_is_down_requests_are_unavailable_and_a_crash_loop_unloads(triton_model):
+    """Restarting: a request is answered at once with UNAVAILABLE and the supervisor's reason. Down for good (a
+    crash loop): the model asks Triton to unload it, so it reports not ready, as vllm_backend does."""
+    from engine.serving.supervisor import Health
+    module, model = triton_model
+    unloaded: list[str] = []
+    module.pb_utils.unload_model = unloaded.append
+    engine = model.engine
+    engine.health, engine.why = Health.RESTARTING, "engine: restarting after the engine process exited (code -9)"
+    last, flags, _ = run(model, random_ids(10, seed=1), 4).sent[-1]
+    assert flags == 1 and last.error.code == TritonError.UNAVAILABLE and "restarting" in last.error.message
+    assert not unloaded
+    engine.health = Health.FAILED
+    wait_until(lambda: unloaded, "the model to ask for its unload")
+    assert unloaded == ["llm"]
+    engine.health, engine.why = Health.UP, ""
+    assert run(model, random_ids(10, seed=1), 4).sent[-1][0].error is None

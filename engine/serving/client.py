@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.core.output import Delta
 from engine.core.sampling import SamplingParams
 from engine.serving.metrics import Metrics
+from engine.serving.supervisor import Health
 from engine.tokenizer import Tokenizer
 
 Push = Callable[[Delta], None]
@@ -25,12 +26,14 @@ class EngineClient(Protocol):
     metrics: Metrics                # current as of each final delta
     tokenizer: Tokenizer            # for front ends that template chats; the engine tokenizes prompts itself
     streams: dict[int, Push]        # open requests' push functions, by id
+    health: Health                  # UP; RESTARTING (the engine process died, a new one is starting); FAILED
+    why: str                        # what is wrong when it is not UP
 
     def submit(self, prompt: str | list[int], params: SamplingParams | None, push: Push,
                request_id: int | None = None) -> int:
         """Queue a request whose deltas `push` receives on a thread of the client's (it must not block); returns
         its id (`request_id`, when the caller numbers its requests itself). Raises ValueError naming the field on
-        bad input, RuntimeError when the engine is not running."""
+        bad input, EngineUnavailable (a RuntimeError) when the engine is not up."""
 
     def abort(self, request_id: int) -> None:
         """Cancel a request: its final delta has finish_reason 'abort' and its KV is freed within one step."""

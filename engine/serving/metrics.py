@@ -71,7 +71,13 @@ class Metrics:
                 "pagoda_e2e_request_latency_seconds", "Request latency", buckets=LATENCY, registry=r),
         }
         self.observations: deque[tuple[str, float]] = deque(maxlen=100_000)   # for mirrors to replay
+        self.seen: dict[tuple[str, tuple], float] = {}      # apply: the other registry's counters, last snapshot
         self.families = {m.describe()[0].name: m for m in vars(self).values() if isinstance(m, (Counter, Gauge))}
+
+    def restarted(self) -> None:
+        """The other registry (a new engine process) starts from 0: count its gains from there."""
+        self.restarts.inc()
+        self.seen.clear()
 
     def series(self) -> list[tuple[str, dict[str, str]]]:
         """Every exported series (name, labels): what a scrape of an idle server shows."""
@@ -99,17 +105,20 @@ class Metrics:
         return samples, taken
 
     def apply(self, snapshot: tuple[list, list]) -> None:
-        """Bring this registry to another's `snapshot`: counters up by the difference, gauges set, observations
-        replayed."""
+        """Bring this registry to another's `snapshot`: counters up by what the other gained since its last
+        snapshot, gauges set, observations replayed."""
         samples, observations = snapshot
         for kind, name, labels, value in samples:
             family = name.removesuffix("_total") if kind == "counter" else name
             metric = self.families[family].labels(**labels) if labels else self.families[family]
-            behind = value - self.value(name, **labels)
             if kind == "gauge":
                 metric.set(value)
-            elif behind > 0:
-                metric.inc(behind)
+                continue
+            key = (name, tuple(sorted(labels.items())))
+            gained = value - self.seen.get(key, 0.0)
+            self.seen[key] = value
+            if gained > 0:
+                metric.inc(gained)
         for name, value in observations:
             self.observe(name, value)
 

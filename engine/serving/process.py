@@ -26,6 +26,7 @@ from engine.core.sampling import SamplingParams
 from engine.serving import messages as m
 from engine.serving.client import EngineClient, Push
 from engine.serving.metrics import Metrics
+from engine.serving.supervisor import EngineUnavailable, Health, Restarts
 from engine.serving.threaded import ThreadedEngine
 from engine.tokenizer import Tokenizer
 
@@ -47,37 +48,63 @@ class _Pending:
     answer: m.Answer | None = None
 
 
+@dataclass(slots=True, eq=False)
+class _Child:
+    """One engine process and the parent's end of its socket."""
+    proc: subprocess.Popen
+    conn: Connection
+
+
+def _spawn(config: EngineConfig) -> tuple[_Child, m.Started, m.MetricsSnapshot | None]:
+    # A plain `python -m` child on a socket pair, not multiprocessing's spawn: that re-imports the parent's
+    # __main__, which fails in scripts without a main guard and means nothing inside Triton's stub. Its own
+    # session: a Ctrl-C at the terminal reaches the parent, which stops the child in order.
+    ours, theirs = socket.socketpair()
+    package_root = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen([python_executable(), "-m", "engine.serving.process", str(theirs.fileno())],
+                            pass_fds=(theirs.fileno(),), env={**os.environ, "PYTHONPATH": path},
+                            start_new_session=True)
+    theirs.close()
+    child = _Child(proc, Connection(ours.detach()))
+    try:
+        child.conn.send(m.Start(config))
+        started: m.Started = child.conn.recv()
+        first = child.conn.recv() if started.config is not None else None   # a snapshot right after Started
+    except (EOFError, OSError):
+        started, first = m.Started(None, f"exited with code {proc.wait()}"), None
+    return child, started, first
+
+
 class ProcessEngine(EngineClient):
+    """Supervises its child: when the child dies, the requests it held end with an error, and a new child is
+    started after a backoff (serving/supervisor.py); meanwhile submits raise EngineUnavailable at once. A crash
+    loop leaves it FAILED for good."""
+
     def __init__(self, config: EngineConfig) -> None:
-        # A plain `python -m` child on a socket pair, not multiprocessing's spawn: that re-imports the parent's
-        # __main__, which fails in scripts without a main guard and means nothing inside Triton's stub. Its own
-        # session: a Ctrl-C at the terminal reaches the parent, which stops the child in order.
-        ours, theirs = socket.socketpair()
-        package_root = str(Path(__file__).resolve().parents[2])
-        path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
-        self.proc = subprocess.Popen([python_executable(), "-m", "engine.serving.process", str(theirs.fileno())],
-                                     pass_fds=(theirs.fileno(),), env={**os.environ, "PYTHONPATH": path},
-                                     start_new_session=True)
-        theirs.close()
-        self.conn = Connection(ours.detach())
-        self.conn.send(m.Start(config))
-        try:
-            started: m.Started = self.conn.recv()
-        except EOFError:
-            started = m.Started(None, f"exited with code {self.proc.wait()}")
+        child, started, first = _spawn(config)
         if started.config is None:
             raise RuntimeError(f"engine process: {started.error}")
         self.config: EngineConfig = started.config
         self.metrics = Metrics()                    # the child's, as of its last snapshot
-        first: m.MetricsSnapshot = self.conn.recv()  # the child sends one right after Started
         self.metrics.apply(first.snapshot)
         self.streams: dict[int, Push] = {}
         self.waiting: dict[int, _Pending] = {}       # submits awaiting the child's validation
         self.ids = itertools.count()
         self.send_lock = threading.Lock()
-        self.running = True
-        self.reader = threading.Thread(target=self._read, name="pagoda-engine-link", daemon=True)
-        self.reader.start()
+        self.restarts = Restarts(config.restart_limit, config.restart_window, config.restart_delay_ms / 1000)
+        self.health, self.why = Health.UP, ""
+        self.stopping = False
+        self._adopt(child)
+        log.info("pagoda: the step loop runs in process %d", child.proc.pid)
+
+    @property
+    def running(self) -> bool:
+        return self.health is Health.UP
+
+    @property
+    def proc(self) -> subprocess.Popen:
+        return self.child.proc
 
     @functools.cached_property
     def tokenizer(self) -> Tokenizer:
@@ -86,46 +113,55 @@ class ProcessEngine(EngineClient):
     def submit(self, prompt: str | list[int], params: SamplingParams | None, push: Push,
                request_id: int | None = None) -> int:
         """`push` runs on this process's reader thread. Waits for the child's validation."""
-        if not self.running:
-            raise RuntimeError("engine: the engine process is not running")
+        if self.health is not Health.UP:
+            raise EngineUnavailable(self.why)
         rid = next(self.ids) if request_id is None else request_id
         pending = self.waiting[rid] = _Pending()
         self.streams[rid] = push
+        reader = self.reader
         self._send(m.Add(rid, prompt, params))
-        while not pending.done.wait(1.0) and self.reader.is_alive():
-            pass                                        # a child that dies before answering: the reader is gone
+        while not pending.done.wait(1.0) and reader.is_alive():
+            pass                                        # a child that dies before answering: its reader is gone
         del self.waiting[rid]
-        answer = pending.answer or m.Answer(rid, "engine: the engine process exited", "RuntimeError")
-        if answer.error:
+        if pending.answer is None:
             self.streams.pop(rid, None)
-            raise (ValueError if answer.kind == "ValueError" else RuntimeError)(answer.error)
+            raise EngineUnavailable(self.why or "engine: the engine process exited")
+        if pending.answer.error:
+            self.streams.pop(rid, None)
+            raise (ValueError if pending.answer.kind == "ValueError" else RuntimeError)(pending.answer.error)
         return rid
 
     def abort(self, request_id: int) -> None:
-        if self.running:
+        if self.health is Health.UP:
             self._send(m.Abort(request_id))
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        if self.running:
+        self.stopping = True
+        if self.health is Health.UP:
             self._send(m.Stop())
         self.reader.join(timeout)
         try:
-            self.proc.wait(timeout)
+            self.child.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout)
+            self.child.proc.kill()
+            self.child.proc.wait(timeout)
+
+    def _adopt(self, child: _Child) -> None:
+        self.child = child
+        self.reader = threading.Thread(target=self._read, args=(child,), name="pagoda-engine-link", daemon=True)
+        self.reader.start()
 
     def _send(self, message: object) -> None:
         try:
             with self.send_lock:
-                self.conn.send(message)
+                self.child.conn.send(message)
         except (BrokenPipeError, EOFError, OSError):
             pass                                    # the reader sees the child gone and fails its streams
 
-    def _read(self) -> None:
+    def _read(self, child: _Child) -> None:
         while True:
             try:
-                message = self.conn.recv()
+                message = child.conn.recv()
             except (EOFError, OSError):
                 break
             match message:
@@ -142,19 +178,52 @@ class ProcessEngine(EngineClient):
                     if pending is not None:
                         pending.answer = message
                         pending.done.set()
-        self._child_gone()
+        self._child_gone(child)
 
-    def _child_gone(self) -> None:
-        self.running = False
+    def _child_gone(self, child: _Child) -> None:
         try:
-            code = self.proc.wait(5)
+            code = child.proc.wait(5)
         except subprocess.TimeoutExpired:
             code = None
+        if not self.stopping:
+            self.health, self.why = Health.RESTARTING, f"engine: restarting after the engine process exited " \
+                                                       f"(code {code}); retry shortly"
         for pending in list(self.waiting.values()):
-            pending.done.set()                      # no answer: the submit raises "the engine process exited"
+            pending.done.set()                      # no answer: the submit raises EngineUnavailable
         for rid, push in list(self.streams.items()):
             del self.streams[rid]
             push(Delta(rid, [], "", True, "error", f"engine: the engine process exited (code {code})"))
+        if self.stopping:
+            self.health, self.why = Health.FAILED, "engine: shut down"
+            return
+        log.error("pagoda: the engine process exited (code %s)", code)
+        self._restart()
+
+    def _restart(self) -> None:
+        """On the dead child's reader thread: wait out the backoff, start a new child, adopt it."""
+        while not self.stopping:
+            wait = self.restarts.died(time.monotonic())
+            if wait is None:
+                self.health = Health.FAILED
+                self.why = (f"engine: the engine process died {self.restarts.limit} times within "
+                            f"{self.restarts.window:g} s; not restarting it (a crash loop: replace this replica)")
+                log.error("pagoda: %s", self.why)
+                return
+            time.sleep(wait)
+            child, started, first = _spawn(self.config)
+            if self.stopping:                       # shut down meanwhile: the new child goes too
+                if started.config is not None:
+                    child.conn.send(m.Stop())
+                child.proc.wait(30)
+                return
+            if started.config is not None:
+                self.metrics.restarted()
+                self.metrics.apply(first.snapshot)
+                self._adopt(child)
+                self.health, self.why = Health.UP, ""
+                log.info("pagoda: engine restarted: process %d", child.proc.pid)
+                return
+            log.error("pagoda: the engine process did not start again: %s", started.error)
 
 
 class _PipeLog(logging.Handler):
@@ -182,7 +251,7 @@ def serve(conn: Connection) -> None:
     log.setLevel(logging.INFO)
     log.propagate = False
     try:
-        engine = ThreadedEngine(start.config)
+        engine = ThreadedEngine(start.config, on_failed=lambda: os._exit(70))   # a wedged engine: start anew
     except Exception as e:
         send(m.Started(None, f"{type(e).__name__}: {e}"))
         return

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 
 from engine.config import EngineConfig
 from engine.core.engine import Engine
@@ -13,14 +14,21 @@ from engine.core.sampling import SamplingParams
 from engine.core.scheduler import QueueFull
 from engine.serving.client import EngineClient, Push
 from engine.serving.metrics import Metrics
+from engine.serving.supervisor import EngineUnavailable, Health
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("pagoda")
 
 
 class ThreadedEngine(EngineClient):
-    def __init__(self, config: EngineConfig | None = None, engine: Engine | None = None) -> None:
+    """A failed step ends every request in flight and the engine serves on; if even that fails, the engine is
+    FAILED (`on_failed` runs: the engine's child process exits, so its supervisor starts a new one)."""
+
+    def __init__(self, config: EngineConfig | None = None, engine: Engine | None = None,
+                 on_failed: Callable[[], None] | None = None) -> None:
         self.engine = engine or Engine(config)
+        self.on_failed = on_failed
+        self.health, self.why = Health.UP, ""
         self.engine.on_delta = self._deliver
         self.inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self.streams: dict[int, Push] = {}
@@ -43,8 +51,8 @@ class ThreadedEngine(EngineClient):
 
     def submit(self, prompt: str | list[int], params: SamplingParams | None, push: Push,
                request_id: int | None = None) -> int:
-        if self.stopping:
-            raise RuntimeError("engine: shutting down")
+        if self.stopping or self.health is not Health.UP:
+            raise EngineUnavailable("engine: shutting down" if self.stopping else self.why)
         req = self.engine.make_request(prompt, params, request_id)
         self.streams[req.id] = push
         self.inbox.put(req)
@@ -72,7 +80,14 @@ class ThreadedEngine(EngineClient):
                 engine.step()
             except Exception as e:      # a failed step ends every request in flight; the engine serves on
                 log.exception("engine step failed")
-                engine.fail_all(f"engine: step failed: {e}")
+                try:
+                    engine.fail_all(f"engine: step failed: {e}")
+                except Exception:
+                    log.exception("engine: could not end the requests of a failed step: the engine is wedged")
+                    self.health, self.why = Health.FAILED, "engine: failed (wedged after a failed step), see the log"
+                    if self.on_failed is not None:
+                        self.on_failed()
+                    return
         self._take_inbox()
         engine.fail_all("engine: shut down")
 

@@ -15,6 +15,7 @@ from engine.core.output import Delta
 from engine.frontends.openai.logprobs import Shaper, prompt
 from engine.frontends.openai.protocol import ChatCompletionRequest, CompletionRequest, usage
 from engine.serving.client import EngineClient
+from engine.serving.supervisor import EngineUnavailable, Health
 
 
 class Choices:
@@ -63,7 +64,11 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
 
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        """200 while the engine serves; 503 while it restarts after a crash, or is down for good (a crash loop):
+        a readiness probe takes the replica out of rotation, a liveness probe on a FAILED one replaces it."""
+        if engine.health is Health.UP:
+            return {"status": "ok"}
+        return JSONResponse({"status": engine.health.value, "error": engine.why}, status_code=503)
 
     @app.get("/metrics")
     async def metrics():
@@ -94,6 +99,8 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
             params = body.sampling(default_max)
             stream = engine.generate(prompt, params)
             first = await anext(stream)        # validation errors surface here, before any byte is sent
+        except EngineUnavailable as e:
+            return error(503, str(e), kind="service_unavailable")
         except ValueError as e:
             message = str(e)
             return error(400, message, message.split(":", 1)[0])

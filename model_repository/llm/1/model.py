@@ -23,6 +23,7 @@ from engine.core.output import Delta
 from engine.frontends import triton_io
 from engine.serving.client import make_client
 from engine.serving.metrics import Mirror
+from engine.serving.supervisor import EngineUnavailable, Health
 
 INPUT_NAMES = [name for name, *_ in triton_io.INPUTS]
 CANCEL_POLL_S = 0.05
@@ -84,6 +85,7 @@ class TritonPythonModel:
         labels = {"model": args["model_name"], "version": args["model_version"]}
         self.mirror = Mirror(self.engine.metrics, pb_utils.MetricFamily, kinds, labels)
         self.mirror.sync()
+        self.model_name, self.unloading = args["model_name"], False
         self.outbox: queue.SimpleQueue[tuple[Stream, object, int] | None] = queue.SimpleQueue()
         self.active: set[Stream] = set()      # streams the responder polls for cancellation
         self.responder = threading.Thread(target=self._respond, name="pagoda-responder", daemon=True)
@@ -91,8 +93,6 @@ class TritonPythonModel:
         cfg = self.engine.config
         log.info("pagoda: engine ready model=%s kv_storage=%s max_batch_size=%d lookahead=%s",
                  cfg.model, "paged" if cfg.paged else "dense", cfg.max_batch_size, cfg.use_lookahead)
-        if cfg.engine_process:
-            log.info("pagoda: engine_process=true: the step loop runs in process %d", self.engine.proc.pid)
 
     def execute(self, requests):
         for request in requests:
@@ -112,6 +112,9 @@ class TritonPythonModel:
             self.active.add(stream)
             stream.id = self.engine.submit(stream.req.prompt, stream.req.params,
                                            lambda d, s=stream: self._on_delta(s, d))
+        except EngineUnavailable as e:          # restarting after a crash, or down for good
+            self._forget(stream)
+            self._fail(sender, str(e), pb_utils.TritonError.UNAVAILABLE)
         except ValueError as e:
             self._forget(stream)
             self._fail(sender, triton_io.error_message(str(e)), pb_utils.TritonError.INVALID_ARG)
@@ -145,6 +148,8 @@ class TritonPythonModel:
             if now - synced >= METRICS_SYNC_S:
                 synced = now
                 self.mirror.sync()
+                if self.engine.health is Health.FAILED and not self.unloading:
+                    self._unload()
 
     def _on_delta(self, stream: Stream, d: Delta) -> None:
         """Where deltas arrive (the link thread, or the engine thread): queue the response a delta makes, if any."""
@@ -209,6 +214,17 @@ class TritonPythonModel:
                 self._cancel(stream)
                 stream.closed = True
                 self._fail(stream.sender, "request cancelled", pb_utils.TritonError.CANCELLED)
+
+    def _unload(self) -> None:
+        """The engine is down for good (a crash loop): have Triton unload the model, so it reports not ready and an
+        orchestrator replaces the replica, as vllm_backend does with an unhealthy engine. Needs tritonserver's
+        --model-control-mode=explicit (scripts/tritonserver.py passes it); otherwise requests stay UNAVAILABLE."""
+        self.unloading = True
+        log.error("pagoda: the engine is down for good; unloading the model: %s", self.engine.why)
+        try:
+            pb_utils.unload_model(self.model_name)
+        except Exception as e:
+            log.error("pagoda: could not unload the model (%s); requests are refused UNAVAILABLE", e)
 
     def _cancel(self, stream: Stream) -> None:
         """End a stream the client left: the engine aborts it and frees its KV within one step."""
