@@ -11,6 +11,7 @@ GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 TRITON_ARGS ?=
 SOAK_SECONDS ?= 600
+SOAK_KILLS ?= 3
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,9 +43,10 @@ bench: setup
 	  --pairs 7 --concurrency 1,2,4 --perf-requests 8 --out perf/results/full-qwen2.5-0.5b
 
 # Reliability soak (not part of `make test`, which runs a 30-second one): tritonserver with the default model,
-# 8 clients mixing hits, misses, cancels and bad inputs; `make soak SOAK_SECONDS=60` shortens it.
+# 8 clients mixing hits, misses, cancels and bad inputs, and SOAK_KILLS (3) SIGKILLs of the engine process at random
+# times; `make soak SOAK_SECONDS=60` shortens it.
 soak: setup
-	$(PY) -m scripts.soak --seconds $(SOAK_SECONDS) --concurrency 8
+	$(PY) -m scripts.soak --seconds $(SOAK_SECONDS) --concurrency 8 --kills $(SOAK_KILLS)
 
 # Pagoda next to transformers, mlx-lm, the memory roofline and itself through tritonserver, in one run (~20 min).
 bench-peers: setup

@@ -1,16 +1,23 @@
 """Soak: tritonserver with the default model under a mix of misses, hits, cancels at random points and bad inputs,
-from N concurrent clients for a fixed time, loopback only. Then it checks that nothing leaked and that a sample of
-greedy outputs equals LLM.generate on the same model, and prints one summary.
+from N concurrent clients for a fixed time, loopback only, with `--kills` SIGKILLs of the engine process at random
+times (each after the previous restart is done). Then it checks that nothing leaked and that a sample of greedy
+outputs equals LLM.generate on the same model, and prints one summary. A request in flight at a kill ends with the
+supervisor's error (lost to a restart) and one sent while the engine restarts is refused at once; both are counted,
+neither is unexpected.
 
-    python -m scripts.soak [--seconds 600] [--concurrency 8] [--max-requests 100000] [--model DIR]
-Exit status 1 when anything unexpected happened (an error, a stream without FINAL, a leaked block, a mismatch).
+    python -m scripts.soak [--seconds 600] [--concurrency 8] [--max-requests 100000] [--kills 0] [--model DIR]
+Exit status 1 when anything unexpected happened (an error, a stream without FINAL, a leaked block, a mismatch, a
+kill that was not followed by a restart).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import queue
 import random
+import re
+import signal
 import sys
 import threading
 import time
@@ -73,6 +80,18 @@ class Soak:
             client.close()
         return ids, final or cancelled, error
 
+    def restart_fault(self, kind: str, error: Exception | None) -> bool:
+        """Count an error that a kill of the engine explains; False for any other."""
+        text = str(error)
+        if "restarting after the engine process exited" in text:
+            self.count("refused while restarting")
+            time.sleep(0.2)                       # a client backing off before it retries
+        elif "the engine process exited" in text:
+            self.count("lost to restarts")
+        else:
+            return False
+        return True
+
     def one(self, rng: random.Random) -> None:
         kind = rng.choices(["miss", "hit", "cancel", "bad", "check"], weights=[3, 3, 2, 1, 1])[0]
         params = {"max_tokens": rng.randint(4, self.args.max_tokens), "temperature": 0, "ignore_eos": True}
@@ -93,12 +112,16 @@ class Soak:
             else:
                 inputs = grpc_inputs("soak", {**params, **case})
             _, _, error = self.stream(inputs)
+            if self.restart_fault(kind, error):
+                return
             expected = error is not None and field in str(error)
             self.count("rejected as expected" if expected else "unexpected errors", None if expected else
                        f"bad input {case!r}: {error}")
             return
         cancel_after = rng.randint(0, params["max_tokens"]) if kind == "cancel" else None
         ids, final, error = self.stream(grpc_inputs(prompt, params), cancel_after)
+        if error is not None and self.restart_fault(kind, error):
+            return
         if error is not None:
             self.count("unexpected errors", f"{kind}: {error}")
         elif not final:
@@ -120,6 +143,34 @@ class Soak:
                 if self.counts["sent"] >= self.args.max_requests:
                     return
             self.one(rng)
+
+
+def engine_pids(log: Path) -> list[int]:
+    """The engine process's pids, in the order the server's log named them (the first, then each restart's)."""
+    text = log.read_text(encoding="utf-8", errors="replace")
+    return [int(p) for p in re.findall(r"(?:step loop runs in process|engine restarted: process) (\d+)", text)]
+
+
+def kill_engine(soak: Soak, log: Path, at: list[float], started: float) -> None:
+    """SIGKILL the engine process at each of `at` (seconds into the soak), each once the previous one's restart
+    is done (its new pid in the log)."""
+    killed: set[int] = set()
+    for when in at:
+        while time.monotonic() < started + when or (engine_pids(log) or [0])[-1] in killed:
+            if time.monotonic() > soak.deadline:
+                return
+            time.sleep(0.1)
+        pid = engine_pids(log)[-1]
+        os.kill(pid, signal.SIGKILL)
+        killed.add(pid)
+        soak.count("engine kills")
+
+
+def wait_up(server, restarts: int, timeout: float = 120) -> None:
+    """Until the server counts `restarts` restarts (the mirror copies the counter within a second)."""
+    deadline = time.monotonic() + timeout
+    while scrape(server.metrics_url, "pagoda_engine_restarts_total") < restarts and time.monotonic() < deadline:
+        time.sleep(0.5)
 
 
 def leaked_blocks(metrics_url: str, timeout: float = 30) -> float:
@@ -154,22 +205,30 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--check", type=int, default=8, help="greedy outputs to compare with LLM.generate")
     ap.add_argument("--model", default=None, help="model directory (default: the embedded small model)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kills", type=int, default=0, help="SIGKILLs of the engine process, at random times")
     ap.add_argument("--log", default=str(ROOT / "perf/results/soak_tritonserver.log"))
     args = ap.parse_args(argv)
     Path(args.log).parent.mkdir(parents=True, exist_ok=True)
-    env = {"PAGODA_NUM_KV_BLOCKS": "48", "PAGODA_MAX_BATCH_SIZE": "4"} | ({"PAGODA_MODEL": args.model}
-                                                                          if args.model else {})
-    server = launch(env, Path(args.log))
+    env = {"PAGODA_NUM_KV_BLOCKS": "48", "PAGODA_MAX_BATCH_SIZE": "4",
+           "PAGODA_RESTART_LIMIT": str(args.kills + 1)} | ({"PAGODA_MODEL": args.model} if args.model else {})
+    log = Path(args.log)
+    server = launch(env, log)
     started = time.monotonic()
     try:
         soak = Soak(server.grpc_url, args)
         threads = [threading.Thread(target=soak.worker, args=(args.seed * 1000 + i,)) for i in range(args.concurrency)]
+        rng = random.Random(args.seed)
+        at = sorted(rng.uniform(0.1, 0.8) * args.seconds for _ in range(args.kills))
+        threads.append(threading.Thread(target=kill_engine, args=(soak, log, at, started)))
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        if soak.counts["engine kills"]:                 # the last restart done before anything is counted
+            wait_up(server, soak.counts["engine kills"])
         leaked = leaked_blocks(server.metrics_url)
         hits = scrape(server.metrics_url, "pagoda_prompt_cache_hits_total")
+        restarts = scrape(server.metrics_url, "pagoda_engine_restarts_total")
     finally:
         server.stop()
     checked, mismatched = check_samples(args.model, soak.samples, args.check)
@@ -177,13 +236,16 @@ def main(argv: list[str] | None = None) -> dict:
     summary = {"seconds": round(time.monotonic() - started), "concurrency": args.concurrency, "sent": c["sent"],
                "completed": c["completed"], "cancelled": c["cancelled"],
                "rejected as expected": c["rejected as expected"], "unexpected errors": c["unexpected errors"],
-               "responses without FINAL": c["responses without FINAL"], "leaked blocks": leaked,
+               "responses without FINAL": c["responses without FINAL"], "engine kills": c["engine kills"],
+               "restarts": restarts, "lost to restarts": c["lost to restarts"],
+               "refused while restarting": c["refused while restarting"], "leaked blocks": leaked,
                "prompt-cache hits": hits, "greedy outputs checked": checked, "greedy mismatches": mismatched,
                "first errors": soak.errors}
     print("soak summary\n" + "\n".join(f"  {k:26} {v}" for k, v in summary.items() if k != "first errors"))
     for e in soak.errors:
         print(f"  error: {e}")
-    summary["ok"] = not (c["unexpected errors"] or c["responses without FINAL"] or leaked or mismatched)
+    summary["ok"] = not (c["unexpected errors"] or c["responses without FINAL"] or leaked or mismatched
+                         or restarts != c["engine kills"])
     print(json.dumps({"ok": summary["ok"]}))
     return summary
 

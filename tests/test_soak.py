@@ -1,5 +1,7 @@
 """The soak, 30 seconds of it, against a real tritonserver: every request ends as expected, every stream has its
-FINAL, no KV block leaks, and sampled greedy outputs equal LLM.generate."""
+FINAL, no KV block leaks, and sampled greedy outputs equal LLM.generate. No engine kills here: killing the engine
+under the soak's storm of client cancellations now and then crashes tritonserver 2.51 itself (README,
+Reliability); `make soak` kills it, and tests/test_supervision.py kills it under each front end."""
 from __future__ import annotations
 
 from scripts import soak
@@ -13,4 +15,5 @@ def test_thirty_second_soak(tiny_dir, tmp_path):
     assert summary["greedy mismatches"] == 0 and summary["greedy outputs checked"] >= 1
     assert summary["completed"] > 20 and summary["cancelled"] > 0 and summary["rejected as expected"] > 0
     assert summary["prompt-cache hits"] > 0
+    assert summary["engine kills"] == 0 and summary["restarts"] == 0
     assert summary["ok"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import urllib.error
 import urllib.request
@@ -16,6 +15,7 @@ import tritonclient.grpc as grpcclient
 from client.metrics import scrape
 from client.stream import grpc_inputs
 from scripts import tritonserver as triton_server
+from scripts.soak import engine_pids
 from tests.helpers import collect, post, random_ids, stop_checked, wait_until
 from tests.helpers import start_openai as start
 
@@ -28,8 +28,7 @@ SUPERVISED = {"PAGODA_RESTART_LIMIT": "2", "PAGODA_RESTART_DELAY_MS": "3000"}   
 def engine_pid(log, before: int | None = None) -> int:
     """The engine process's pid, from the log: the latest one that is not `before`."""
     def latest():
-        pids = [int(p) for p in re.findall(r"(?:step loop runs in process|engine restarted: process) (\d+)",
-                                           log.read_text(errors="replace"))]
+        pids = engine_pids(log)
         return pids[-1] if pids and pids[-1] != before else None
     wait_until(lambda: latest() is not None, "the engine's pid in the log", timeout=BACK_WITHIN)
     return latest()

@@ -120,8 +120,8 @@ class ProcessEngine(EngineClient):
         self.streams[rid] = push
         reader = self.reader
         self._send(m.Add(rid, prompt, params))
-        while not pending.done.wait(1.0) and reader.is_alive():
-            pass                                        # a child that dies before answering: its reader is gone
+        while not pending.done.wait(0.05) and reader.is_alive() and self.health is Health.UP:
+            pass                                        # a child that died before answering: not UP any more
         del self.waiting[rid]
         if pending.answer is None:
             self.streams.pop(rid, None)
@@ -188,8 +188,10 @@ class ProcessEngine(EngineClient):
         if not self.stopping:
             self.health, self.why = Health.RESTARTING, f"engine: restarting after the engine process exited " \
                                                        f"(code {code}); retry shortly"
-        for pending in list(self.waiting.values()):
-            pending.done.set()                      # no answer: the submit raises EngineUnavailable
+        for rid, pending in list(self.waiting.items()):
+            if pending.answer is None:              # its submit raises EngineUnavailable: no delta for it too
+                self.streams.pop(rid, None)
+            pending.done.set()
         for rid, push in list(self.streams.items()):
             del self.streams[rid]
             push(Delta(rid, [], "", True, "error", f"engine: the engine process exited (code {code})"))

@@ -86,6 +86,7 @@ class TritonPythonModel:
         self.mirror = Mirror(self.engine.metrics, pb_utils.MetricFamily, kinds, labels)
         self.mirror.sync()
         self.model_name, self.unloading = args["model_name"], False
+        self.claims = threading.Lock()
         self.outbox: queue.SimpleQueue[tuple[Stream, object, int] | None] = queue.SimpleQueue()
         self.active: set[Stream] = set()      # streams the responder polls for cancellation
         self.responder = threading.Thread(target=self._respond, name="pagoda-responder", daemon=True)
@@ -113,15 +114,15 @@ class TritonPythonModel:
             stream.id = self.engine.submit(stream.req.prompt, stream.req.params,
                                            lambda d, s=stream: self._on_delta(s, d))
         except EngineUnavailable as e:          # restarting after a crash, or down for good
-            self._forget(stream)
-            self._fail(sender, str(e), pb_utils.TritonError.UNAVAILABLE)
+            if self._claim(stream):
+                self._fail(sender, str(e), pb_utils.TritonError.UNAVAILABLE)
         except ValueError as e:
-            self._forget(stream)
-            self._fail(sender, triton_io.error_message(str(e)), pb_utils.TritonError.INVALID_ARG)
+            if self._claim(stream):
+                self._fail(sender, triton_io.error_message(str(e)), pb_utils.TritonError.INVALID_ARG)
         except Exception as e:
-            self._forget(stream)
             log.exception("request failed")
-            self._fail(sender, f"internal error: {e}", pb_utils.TritonError.INTERNAL)
+            if self._claim(stream):
+                self._fail(sender, f"internal error: {e}", pb_utils.TritonError.INTERNAL)
 
     def finalize(self):
         log.info("pagoda: finalize: stopping the engine")
@@ -156,9 +157,9 @@ class TritonPythonModel:
         if stream.done:
             return
         stream.id = d.request_id        # a first delta can beat submit() returning the id to _start
-        if d.finished:
-            self._forget(stream)
         final = d.finished or d.finish_reason in ("error", "abort")
+        if final and not self._claim(stream):
+            return                      # its submit failed meanwhile, and that error was its final response
         try:
             response = self._response(stream, d)
         except Exception as e:
@@ -230,6 +231,15 @@ class TritonPythonModel:
         """End a stream the client left: the engine aborts it and frees its KV within one step."""
         self._forget(stream)
         self.engine.abort(stream.id)
+
+    def _claim(self, stream: Stream | None) -> bool:
+        """Mark a stream through with the engine; True for the one caller that does so first, whose FINAL response
+        is the stream's only one (a submit that fails as the engine dies races the engine's own error delta)."""
+        with self.claims:
+            if stream is not None and stream.done:
+                return False
+            self._forget(stream)
+        return True
 
     def _forget(self, stream: Stream | None) -> None:
         if stream is not None:
