@@ -256,7 +256,9 @@ def test_perf_analyzer_runs(server, tmp_path):
                           "--profile-export-file", str(export)],
                          capture_output=True, text=True, cwd=triton_server.ROOT, timeout=300)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
-    requests = json.loads(export.read_text())["experiments"][0]["requests"]
+    text = export.read_text()
+    assert text, f"perf_analyzer exited 0 but wrote an empty {export.name}:\n{(run.stdout + run.stderr)[-3000:]}"
+    requests = json.loads(text)["experiments"][0]["requests"]
     assert requests and all(len(r["response_timestamps"]) == 8 for r in requests)
 
 
