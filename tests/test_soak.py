@@ -1,7 +1,6 @@
 """The soak, 30 seconds of it, against a real tritonserver: every request ends as expected, every stream has its
-FINAL, no KV block leaks, and sampled greedy outputs equal LLM.generate. No engine kills here: killing the engine
-under the soak's storm of client cancellations now and then crashes tritonserver 2.51 itself (README,
-Reliability); `make soak` kills it, and tests/test_supervision.py kills it under each front end."""
+FINAL, no KV block leaks, and sampled greedy outputs equal LLM.generate. No engine kills here (`make soak` kills
+it, and tests/test_supervision.py kills it under each front end)."""
 from __future__ import annotations
 
 from scripts import soak
