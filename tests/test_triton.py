@@ -248,15 +248,19 @@ def test_perf_analyzer_runs(server, tmp_path):
                       "sampling_parameters": [json.dumps({"max_tokens": 8, "temperature": 0})]}]}
     (tmp_path / "input.json").write_text(json.dumps(data))
     export = tmp_path / "export.json"
-    run = subprocess.run([sys.executable, "-m", "scripts.perf_analyzer", "-m", "llm", "-x", "1", "-u", server.grpc_url,
-                          "-i", "grpc",
-                          "--streaming", "--input-data", str(tmp_path / "input.json"), "--measurement-mode",
-                          "count_windows", "--measurement-request-count", "5", "--concurrency-range", "1",
-                          "--stability-percentage", "1000", "--max-trials", "3",
-                          "--profile-export-file", str(export)],
-                         capture_output=True, text=True, cwd=triton_server.ROOT, timeout=300)
-    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
-    text = export.read_text()
+    for _ in range(2):      # perf_analyzer 2.51 now and then exits 0 with its export empty (2 of ~10 suite runs)
+        run = subprocess.run([sys.executable, "-m", "scripts.perf_analyzer", "-m", "llm", "-x", "1", "-u",
+                              server.grpc_url, "-i", "grpc",
+                              "--streaming", "--input-data", str(tmp_path / "input.json"), "--measurement-mode",
+                              "count_windows", "--measurement-request-count", "5", "--concurrency-range", "1",
+                              "--stability-percentage", "1000", "--max-trials", "3",
+                              "--profile-export-file", str(export)],
+                             capture_output=True, text=True, cwd=triton_server.ROOT, timeout=300)
+        assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+        assert "Request count" in run.stdout
+        text = export.read_text()
+        if text:
+            break
     assert text, f"perf_analyzer exited 0 but wrote an empty {export.name}:\n{(run.stdout + run.stderr)[-3000:]}"
     requests = json.loads(text)["experiments"][0]["requests"]
     assert requests and all(len(r["response_timestamps"]) == 8 for r in requests)
