@@ -42,8 +42,8 @@ class EngineConfig:
     max_model_len: int = option(0, "context length; 0: the checkpoint's max_position_embeddings", low=0)
     seed: int = option(0, "seed of the embedded default model", low=0)
     num_threads: int = option(0, "CPU threads for the model's ops; 0: the framework's default", low=0)
-    attention: str = option("auto", "torch runner's KV ops; auto: triton on CUDA, cpu for fp32 on a CPU that builds "
-                            "it, else reference", ("auto", "triton", "reference", "cpu"))
+    attention: str = option("auto", "torch runner's KV ops; auto: triton on CUDA, cpu for fp32 and bf16 on a CPU "
+                            "that builds it, else reference", ("auto", "triton", "reference", "cpu"))
     compile: bool = option(False, "torch runner, paged: torch.compile the decode step (each new shape compiles once)")
     engine_process: bool = option(True, "front ends: run the step loop in a child process (false: a thread)")
     restart_limit: int = option(5, "engine process deaths within restart_window that end its restarts (then the "

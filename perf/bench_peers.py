@@ -12,6 +12,9 @@
 5. decode tok/s through tritonserver gRPC streaming vs in process, same model and threads: small (where a token
    takes about a millisecond, so the serving path's fixed cost a token shows) and qwen2.5-0.5b
 6. the MLX runner vs mlx-lm generate (small)
+7. llama.cpp (llama-cpp-python, built here on first use: perf/llama_peer.py) on the same checkpoint converted by its
+   own convert_hf_to_gguf.py, same threads: fp32 and bf16 decode after a 64-token prompt, and prefill of a
+   512-token prompt (tokens / TTFT). Left out, with the reason, where it cannot be built.
 Rates are medians of repeats interleaved in ABBA order; a ratio is the median of the per-pair ratios, so drift
 between pairs on a shared machine cancels. Decode tok/s = (tokens - 1) / (t_last - t_first).
 """
@@ -33,6 +36,7 @@ from engine.core.engine import Engine
 from engine.core.sampling import SamplingParams
 from engine.models import hugepages
 from engine.models.presets import cached_model
+from perf import llama_peer
 from perf.bench_decode import transformers_rate
 from perf.common import ROOT, Pair, greedy_run, median_pair, paired, prompt_ids, table
 
@@ -44,6 +48,7 @@ GOALS = {
     "lookahead torch": 0.98, "lookahead mlx": 1.15,
     "triton small": 0.90, "triton big": 0.90,
     "mlx-lm": 1.0,
+    "llama.cpp fp32": 1.1, "llama.cpp bf16": 1.0, "llama.cpp prefill": 1.0,
 }
 
 
@@ -130,6 +135,21 @@ def mlx_vs_mlx_lm(preset: str, tokens: int, repeats: int) -> Pair:
     return median_pair(lambda: greedy_run(engine, p, tokens)[1], lambda: mlx_lm_rate(lm, tok, p, tokens), repeats)
 
 
+def llama_cpp_rows(preset: str, threads: int, tokens: int, repeats: int) -> list[dict]:
+    """Pagoda / llama.cpp, fp32 and bf16: decode and 512-token prefill; none (and the reason, printed) where
+    llama-cpp-python cannot be built here."""
+    tree, why = llama_peer.build()
+    if tree is None:
+        print(f"llama.cpp rows left out: {why}")
+        return []
+    rows = []
+    for dtype, short in (("float32", "fp32"), ("bfloat16", "bf16")):
+        decode, prefill = llama_peer.compare(tree, cached_model(preset), dtype, threads, tokens, repeats)
+        rows += [paired_row("vs llama.cpp", f"{preset} {short} decode", decode, f"llama.cpp {short}"),
+                 paired_row("vs llama.cpp", f"{preset} {short} 512-token prefill", prefill, "llama.cpp prefill")]
+    return rows
+
+
 def row(section: str, what: str, pagoda: float, peer: float, goal: float, unit: str = "tok/s",
         ratio: float | None = None) -> dict:
     if ratio is None:
@@ -189,6 +209,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                        through_triton(big, big_n, big_reps, 1), "triton big")]),
         ("mlx", lambda: [paired_row("mlx runner vs mlx-lm", "small", mlx_vs_mlx_lm("small", small_n, small_reps),
                                     "mlx-lm")]),
+        ("llama.cpp", lambda: llama_cpp_rows("tiny-qwen" if args.quick else "qwen2.5-0.5b", t,
+                                             16 if args.quick else 128, 2 if args.quick else 4)),
     ]
     rows: list[dict] = []
     for name, step in tqdm(steps, desc="bench-peers", unit="section", file=sys.stderr):

@@ -1,5 +1,6 @@
-"""The CPU decode kernels (GEMV, paged decode attention, RMSNorm, SwiGLU): torch's result for every shape decode
-gives them, the engine routing decode there, and torch serving whenever they are off, unfit or cannot be built."""
+"""The CPU decode kernels (GEMV, paged decode attention, RMSNorm, SwiGLU, RoPE), fp32 and bf16: torch's result for
+every shape decode gives them (bf16: rounded where torch rounds, so within one bf16 ulp), the engine routing decode
+there, and torch serving whenever they are off, unfit or cannot be built."""
 from __future__ import annotations
 
 import logging
@@ -61,34 +62,45 @@ def test_one_openmp_runtime_in_the_process(gemv):
                                                   (4, 4, 4, 16, 16, [5, 16, 17, 64]),
                                                   (4, 4, 2, 64, 32, [1, 32, 33, 200]), (2, 4, 2, 128, 16, [9, 70]),
                                                   (2, 2, 1, 8, 4, [3, 13])])
-def test_paged_decode_attention_matches_the_reference(gemv, b, nh, n_kv, hd, bs, lens):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention_matches_the_reference(gemv, b, nh, n_kv, hd, bs, lens, dtype):
     g = torch.Generator().manual_seed(b)
-    k_cache, v_cache = torch.randn(2, 24, bs, n_kv, hd, generator=g)
+    k_cache, v_cache = torch.randn(2, 24, bs, n_kv, hd, generator=g).to(dtype)
     width = -(-max(lens) // bs)
     tables = torch.stack([torch.randperm(24, generator=g)[:width] for _ in range(b)])
     seq_lens = torch.tensor(lens)
     slots = torch.tensor([int(tables[i, (n - 1) // bs]) * bs + (n - 1) % bs for i, n in enumerate(lens)])
-    q, k, v = torch.randn(b, nh, hd, generator=g), torch.randn(b, n_kv, hd, generator=g), torch.randn(b, n_kv, hd)
+    q, k, v = (torch.randn(*s, generator=g).to(dtype) for s in ((b, nh, hd), (b, n_kv, hd), (b, n_kv, hd)))
     want_k, want_v = k_cache.clone(), v_cache.clone()
     reference.write_kv(want_k, want_v, slots, k, v)
-    want = reference.paged_decode_attention(q, want_k, want_v, tables, seq_lens, 0.3)
+    want = reference.paged_decode_attention(q.float(), want_k.float(), want_v.float(), tables, seq_lens, 0.3)
     got = cpu_attention.load(threads=2)(q, k, v, k_cache, v_cache, slots, tables, seq_lens, 0.3)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got.dtype == dtype
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else ULP
+    torch.testing.assert_close(got.float(), want, **tol)   # bf16: attention in fp32, rounded once
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)       # new K/V written at their slots
+
+
+ULP = dict(rtol=2 ** -7, atol=1e-5)       # bf16: one unit in the last place
 
 
 def silu_mul(gemv, gate_up: torch.Tensor) -> torch.Tensor:
     """The fused GEMV's SwiGLU alone: against an identity weight, every output is one product plus zeros (exact)."""
     n = gate_up.shape[1] // 2
-    return gemv.fused(gate_up, torch.eye(n), silu=True)
+    return gemv.fused(gate_up, torch.eye(n, dtype=gate_up.dtype), silu=True)
 
 
 @pytest.mark.parametrize("m,n", [(1, 896), (3, 84), (8, 13)])
-def test_rms_norm_and_silu_mul_match_torch(gemv, m, n):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_silu_mul_match_torch(gemv, m, n, dtype):
     pw = cpu_pointwise.load()
-    x, w, gu = torch.randn(m, n), torch.randn(n), torch.randn(m, 2 * n) * 4
-    torch.testing.assert_close(pw.rms_norm(x, w, 1e-6), F.rms_norm(x, (n,), w, 1e-6), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(silu_mul(gemv, gu), F.silu(gu[:, :n]) * gu[:, n:], rtol=1e-5, atol=1e-5)
+    x, gu = torch.randn(m, n).to(dtype), (torch.randn(m, 2 * n) * 4).to(dtype)
+    norm = RMSNorm(n, 1e-6).to(dtype)
+    norm.weight.data = torch.randn(n).to(dtype)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else ULP
+    with torch.no_grad():
+        torch.testing.assert_close(pw.rms_norm(x, norm.weight, 1e-6), norm.forward(x), **tol)
+    torch.testing.assert_close(silu_mul(gemv, gu), F.silu(gu[:, :n]) * gu[:, n:], **tol)
 
 
 def test_silu_mul_holds_at_the_exponent_clamp_and_past_it(gemv):
@@ -99,37 +111,41 @@ def test_silu_mul_holds_at_the_exponent_clamp_and_past_it(gemv):
 
 
 @pytest.mark.parametrize("t,heads,rotated,hd", [(1, 18, 16, 64), (3, 4, 3, 128), (2, 9, 8, 12)])
-def test_rope_rotates_the_given_heads_in_place_as_rope_apply(gemv, t, heads, rotated, hd):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_rotates_the_given_heads_in_place_as_rope_apply(gemv, t, heads, rotated, hd, dtype):
     rope = Rope(hd, 256, 1e6)
-    cos, signed_sin = rope.tables(torch.tensor([0, 77, 255][:t]), torch.float32)
-    x = torch.randn(t, heads, hd)
+    cos, signed_sin = rope.tables(torch.tensor([0, 77, 255][:t]), dtype)
+    x = torch.randn(t, heads, hd).to(dtype)
     got = x.clone()
     cpu_pointwise.load().rope(got, cos, signed_sin, heads=rotated)
-    torch.testing.assert_close(got[:, :rotated], Rope.apply(x[:, :rotated], cos, signed_sin), rtol=1e-6, atol=1e-6)
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else ULP
+    torch.testing.assert_close(got[:, :rotated], Rope.apply(x[:, :rotated], cos, signed_sin), **tol)
     assert torch.equal(got[:, rotated:], x[:, rotated:])           # v heads untouched
 
 
 @pytest.mark.parametrize("m", [1, 3, 8])
-def test_fused_gemv_folds_in_norm_swiglu_and_residual(gemv, m):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_gemv_folds_in_norm_swiglu_and_residual(gemv, m, dtype):
+    """bf16 against the model's own torch ops, which round after each op: the same roundings, so one ulp at most."""
     g = torch.Generator().manual_seed(m)
-    x, w, b, res = (torch.randn(*s, generator=g) for s in ((m, 96), (1152, 96), (1152,), (m, 1152)))
-    norm = RMSNorm(96, 1e-6)
-    norm.weight.data = torch.randn(96, generator=g)
+    x, w, b, res = (torch.randn(*s, generator=g).to(dtype) for s in ((m, 96), (1152, 96), (1152,), (m, 1152)))
+    norm = RMSNorm(96, 1e-6).to(dtype)
+    norm.weight.data = torch.randn(96, generator=g).to(dtype)
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-3)
     with torch.no_grad():
-        want = F.linear(F.rms_norm(x, (96,), norm.weight, 1e-6), w, b)
-        torch.testing.assert_close(gemv.fused(x, w, b, norm=norm), want, rtol=1e-5, atol=1e-4)
-        gu, down = torch.randn(m, 2 * 200, generator=g) * 3, torch.randn(96, 200, generator=g)
+        torch.testing.assert_close(gemv.fused(x, w, b, norm=norm), F.linear(norm.forward(x), w, b), **tol)
+        gu, down = (torch.randn(m, 2 * 200, generator=g) * 3).to(dtype), torch.randn(96, 200, generator=g).to(dtype)
         want = F.linear(F.silu(gu[:, :200]) * gu[:, 200:], down) + x
-        torch.testing.assert_close(gemv.fused(gu, down, silu=True, residual=x), want, rtol=1e-5, atol=1e-4)
-        torch.testing.assert_close(gemv.fused(x, w, residual=res), F.linear(x, w) + res, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(gemv.fused(gu, down, silu=True, residual=x), want, **tol)
+        torch.testing.assert_close(gemv.fused(x, w, residual=res), F.linear(x, w) + res, **tol)
 
 
 def test_attention_choice(monkeypatch):
-    assert select("auto", "cpu", "bfloat16").name == "reference"
-    with pytest.raises(ValueError, match="attention: cpu needs float32 on a CPU, got bfloat16 on cpu"):
-        select("cpu", "cpu", "bfloat16")
+    assert select("auto", "cpu", "float16").name == "reference"
+    with pytest.raises(ValueError, match="attention: cpu needs float32 or bfloat16 on a CPU, got float16 on cpu"):
+        select("cpu", "cpu", "float16")
     if cpu_build_ok():
-        assert select("auto", "cpu", "float32").name == "cpu"
+        assert select("auto", "cpu", "float32").name == "cpu" and select("auto", "cpu", "bfloat16").name == "cpu"
     monkeypatch.setenv("PAGODA_CPU_KERNELS", "0")
     assert select("auto", "cpu", "float32").name == "reference"
     with pytest.raises(ValueError, match="attention: cpu kernels are off or cannot be built here"):
@@ -140,7 +156,8 @@ def cpu_build_ok() -> bool:
     return cpu_gemv.load(threads=1) is not None
 
 
-def test_engine_routes_decode_to_the_kernels_and_generates_what_torch_does(gemv, small_dir, monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_routes_decode_to_the_kernels_and_generates_what_torch_does(gemv, small_dir, monkeypatch, dtype):
     calls, fused = [], []
     real, real_fused = cpu_gemv.CpuGemv.__call__, cpu_gemv.CpuGemv.fused
     monkeypatch.setattr(cpu_gemv.CpuGemv, "__call__", lambda self, x, w, b=None: calls.append(x.shape[0])
@@ -149,7 +166,7 @@ def test_engine_routes_decode_to_the_kernels_and_generates_what_torch_does(gemv,
                         or real_fused(self, x, *a, **kw))
     prompts = [random_ids(40, seed=1), random_ids(9, seed=2)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    fast = LLM(model=small_dir, dtype="float32", max_batch_size=2)
+    fast = LLM(model=small_dir, dtype=dtype, max_batch_size=2)
     model = fast.engine.runner.model
     assert all(mod.gemv is fast.engine.runner.gemv for mod in model.modules() if isinstance(mod, Linear))
     before = CALLS["cpu"]
@@ -160,7 +177,7 @@ def test_engine_routes_decode_to_the_kernels_and_generates_what_torch_does(gemv,
     assert calls and max(calls + fused) <= cpu_gemv.MAX_ROWS
     assert len(fused) >= 23 * 4 * layers and len(calls) >= 23      # every projection and the head of every step
     monkeypatch.setenv("PAGODA_CPU_KERNELS", "0")
-    plain = LLM(model=small_dir, dtype="float32", max_batch_size=2)
+    plain = LLM(model=small_dir, dtype=dtype, max_batch_size=2)
     assert plain.engine.runner.gemv is None and plain.engine.runner.ops.name == "reference"
     assert got == [o.token_ids for o in plain.generate(prompts, params)]
     assert fast.engine.pool.num_used == 0
@@ -173,9 +190,12 @@ def test_torch_serves_small_weights_bf16_and_compiled_decode(tiny_dir, small_dir
         assert tiny.model.head_gemv is tiny.gemv                                                 # [1024, 64]
         assert all(layer.kernels is not None for layer in tiny.model.layers)    # fused calls take any size
     bf16 = LLM(model=small_dir, dtype="bfloat16").engine.runner
-    if bf16.gemv is not None:                     # the GEMV takes bf16; attention and the pointwise ops stay on torch
-        assert bf16.model.head_gemv is bf16.gemv and bf16.ops.name == "reference"
-        assert all(layer.kernels is None for layer in bf16.model.layers)
+    if bf16.gemv is not None:                     # bf16 decode: the GEMV, the fused layers and the attention kernel
+        assert bf16.model.head_gemv is bf16.gemv and bf16.ops.name == "cpu"
+        assert all(layer.kernels is not None for layer in bf16.model.layers)
+    half = LLM(model=small_dir, dtype="float16").engine.runner       # no kernel takes fp16: torch serves
+    assert half.gemv is None and half.ops.name == "reference"
+    assert all(layer.kernels is None for layer in half.model.layers)
     compiled = LLM(model=small_dir, dtype="float32", kv_storage="paged", compile=True).engine.runner
     if compiled.gemv is not None:       # fp32 decode on the fused kernels outruns the graph: compile stands down
         assert compiled.compiled is None and all(layer.kernels is not None for layer in compiled.model.layers)

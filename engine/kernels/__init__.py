@@ -1,6 +1,6 @@
 """Attention and KV-write ops behind one switch: the torch reference ops (any device), the Triton kernels (CUDA;
-on CPU tensors only under TRITON_INTERPRET=1, which is how they are tested here), or, for fp32 on an AVX2 CPU, the
-reference ops with decode's KV write and attention fused into one C call (`decode_step`)."""
+on CPU tensors only under TRITON_INTERPRET=1, which is how they are tested here), or, for fp32 and bf16 on an AVX2
+CPU, the reference ops with decode's KV write and attention fused into one C call (`decode_step`)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -9,6 +9,7 @@ from typing import Callable
 
 from engine.config import EngineConfig, choices
 
+CPU_DTYPES = ("float32", "bfloat16")
 CALLS: Counter[str] = Counter()       # steps served per implementation: which one ran
 
 
@@ -22,8 +23,8 @@ class KernelOps:
 
 
 def select(choice: str, device_type: str, dtype: str = "", threads: int = 1) -> KernelOps:
-    """choice auto | triton | reference | cpu; auto takes Triton on CUDA when it imports, the CPU kernel for fp32 on
-    a CPU when it builds, else the reference ops."""
+    """choice auto | triton | reference | cpu; auto takes Triton on CUDA when it imports, the CPU kernel for fp32 and
+    bf16 on a CPU when it builds, else the reference ops."""
     allowed = choices(EngineConfig, "attention")
     if choice not in allowed:
         raise ValueError(f"attention: must be one of {', '.join(allowed)}, got {choice!r}")
@@ -37,9 +38,9 @@ def select(choice: str, device_type: str, dtype: str = "", threads: int = 1) -> 
             return KernelOps("triton", triton_kv.write_kv, triton_decode.paged_decode_attention,
                              triton_prefill.paged_prefill_attention)
     from engine.kernels import cpu_attention, reference
-    if choice == "cpu" or (choice == "auto" and device_type == "cpu" and dtype == "float32"):
-        if device_type != "cpu" or dtype != "float32":
-            raise ValueError(f"attention: cpu needs float32 on a CPU, got {dtype or '?'} on {device_type}")
+    if choice == "cpu" or (choice == "auto" and device_type == "cpu" and dtype in CPU_DTYPES):
+        if device_type != "cpu" or dtype not in CPU_DTYPES:
+            raise ValueError(f"attention: cpu needs float32 or bfloat16 on a CPU, got {dtype or '?'} on {device_type}")
         decode = cpu_attention.load(threads)
         if decode is not None:
             return KernelOps("cpu", reference.write_kv, reference.paged_decode_attention,

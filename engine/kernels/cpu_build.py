@@ -1,5 +1,8 @@
 """The CPU kernels (cpu_*.cpp): one shared library, built once per machine with the system C++ compiler into the
-cache folder, loaded with ctypes. PAGODA_CPU_KERNELS=0 turns them off; torch's ops serve instead."""
+cache folder, loaded with ctypes. PAGODA_CPU_KERNELS=0 turns them off; torch's ops serve instead.
+
+It is built for the instruction set torch found on this CPU: AVX2 + FMA, or with AVX-512 too, whose 512-bit loads
+the GEMV uses (ATEN_CPU_CAPABILITY=avx2, torch's own switch, holds both to AVX2)."""
 from __future__ import annotations
 
 import ctypes
@@ -19,15 +22,23 @@ log = logging.getLogger("pagoda")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_pointwise.cpp")]
 HEADERS = [Path(__file__).with_name("cpu_math.h")]
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
+FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared"]
+ISAS = {"avx2": ["-mavx2", "-mfma"], "avx512": ["-mavx2", "-mfma", "-mavx512f"]}
 
 
-def build() -> Path:
-    """The shared library, compiled on first use into the cache folder under a name keyed by source and flags."""
+def isa() -> str | None:
+    """avx512 | avx2 as torch's CPU capability says, or None (no AVX2: the kernels do not build)."""
+    return {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability())
+
+
+def build(target: str = "avx2") -> Path:
+    """The shared library for `target` (an ISAS key), compiled on first use into the cache folder under a name keyed
+    by source and flags."""
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler ({cxx})")
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join([cxx, *FLAGS]).encode())
+    flags = [*FLAGS, *ISAS[target]]
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join([cxx, *flags]).encode())
     out = cache_root() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
@@ -36,7 +47,7 @@ def build() -> Path:
     os.close(fd)
     # rpath to torch's lib folder: the kernel's OpenMP calls land in the libgomp torch already loaded.
     torch_lib = Path(torch.__file__).parent / "lib"
-    cmd = [cxx, *FLAGS, *map(str, SOURCES), "-o", tmp, f"-Wl,-rpath,{torch_lib}"]
+    cmd = [cxx, *flags, *map(str, SOURCES), "-o", tmp, f"-Wl,-rpath,{torch_lib}"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         os.unlink(tmp)
@@ -45,14 +56,21 @@ def build() -> Path:
     return out
 
 
-def library() -> ctypes.CDLL | None:
-    """The kernels on an x86 CPU with AVX2 and FMA, or None (turned off, other CPU, no compiler)."""
-    if not cpu_kernels():
-        return None
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+def bind(lib: ctypes.CDLL, name: str, argtypes: list) -> ctypes._CFuncPtr:
+    """The library's function `name`, typed, returning nothing (every kernel writes into its arguments)."""
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = argtypes, None
+    return fn
+
+
+def library(target: str | None = None) -> ctypes.CDLL | None:
+    """The kernels on an x86 CPU with AVX2 and FMA, built for `target` (default: this CPU's, see isa()), or None
+    (turned off, other CPU, no compiler)."""
+    target = target or isa()
+    if not cpu_kernels() or target is None:
         return None
     try:
-        return ctypes.CDLL(str(build()))          # dlopen of a loaded path returns the same handle
+        return ctypes.CDLL(str(build(target)))          # dlopen of a loaded path returns the same handle
     except (OSError, RuntimeError) as e:
         log.warning("CPU kernels unavailable, torch's ops serve instead: %s", e)
         return None

@@ -18,7 +18,7 @@ MIN_WEIGHT = 32768      # smaller weights (the tiny preset's) stay on torch: the
 OP_MIN_BYTES = 2 << 20  # in a compiled graph: smaller weights stay on inductor's prepacked GEMM (see GemvOp)
 
 
-DTYPES = {torch.float32: "gemv_f32", torch.bfloat16: "gemv_bf16"}
+DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}       # the C functions' suffixes
 
 
 class CpuGemv:
@@ -27,15 +27,11 @@ class CpuGemv:
     max_rows = MAX_ROWS
 
     def __init__(self, lib: ctypes.CDLL, threads: int) -> None:
-        self.fns = {dtype: getattr(lib, name) for dtype, name in DTYPES.items()}
-        for fn in self.fns.values():
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                           ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-            fn.restype = None
-        self.fused_fn = lib.gemv_fused_f32
-        self.fused_fn.argtypes = [*self.fns[torch.float32].argtypes, ctypes.c_void_p, ctypes.c_float, ctypes.c_int,
-                                  ctypes.c_void_p]
-        self.fused_fn.restype = None
+        args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                ctypes.c_int64, ctypes.c_int]
+        self.fns = {dtype: cpu_build.bind(lib, f"gemv_{name}", args) for dtype, name in DTYPES.items()}
+        fused = [*args, ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
+        self.fused_fns = {dtype: cpu_build.bind(lib, f"gemv_fused_{name}", fused) for dtype, name in DTYPES.items()}
         self.threads = threads
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -48,15 +44,18 @@ class CpuGemv:
 
     def fused(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, norm=None,
               silu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """fp32 F.linear with a decode layer's neighbours in the same call: of norm(x) (an RMSNorm: its weight and
-        eps), or of silu(gate) * up where x = [gate | up] (silu); plus residual [m, n]. Any size of weight."""
+        """F.linear with a decode layer's neighbours in the same call: of norm(x) (an RMSNorm: its weight and eps),
+        or of silu(gate) * up where x = [gate | up] (silu); plus residual [m, n]. Any size of weight; fp32 or bf16
+        (rounded after each op as the model's torch path rounds)."""
         x = x.contiguous()
         n, k = weight.shape
         y = torch.empty((x.shape[0], n), dtype=x.dtype)
         residual = None if residual is None else residual.contiguous()
-        self.fused_fn(x.data_ptr(), x.shape[0], weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                      y.data_ptr(), n, k, self.threads, None if norm is None else norm.weight.data_ptr(),
-                      0.0 if norm is None else norm.eps, int(silu), None if residual is None else residual.data_ptr())
+        self.fused_fns[weight.dtype](x.data_ptr(), x.shape[0], weight.data_ptr(),
+                                     None if bias is None else bias.data_ptr(), y.data_ptr(), n, k, self.threads,
+                                     None if norm is None else norm.weight.data_ptr(),
+                                     0.0 if norm is None else norm.eps, int(silu),
+                                     None if residual is None else residual.data_ptr())
         return y
 
     @staticmethod
@@ -95,7 +94,8 @@ class GemvOp:
         return CpuGemv.fits(weight) and weight.numel() * weight.element_size() > OP_MIN_BYTES
 
 
-def load(threads: int) -> CpuGemv | None:
-    """The kernel on an x86 CPU with AVX2 and FMA, or None (turned off, other CPU, no compiler: torch serves)."""
-    lib = cpu_build.library()
+def load(threads: int, target: str | None = None) -> CpuGemv | None:
+    """The kernel on an x86 CPU with AVX2 and FMA (built for `target`, default this CPU's: cpu_build.isa), or None
+    (turned off, other CPU, no compiler: torch serves)."""
+    lib = cpu_build.library(target)
     return None if lib is None else CpuGemv(lib, threads)

@@ -1,6 +1,38 @@
-// Vector math shared by the CPU kernels (AVX2 + FMA).
+// Vector math and bf16 conversions shared by the CPU kernels (AVX2 + FMA).
 #pragma once
 #include <immintrin.h>
+#include <stdint.h>
+#include <math.h>
+#include <string.h>
+
+typedef uint16_t bf16;
+
+static inline float widen(float v) { return v; }
+static inline float widen(bf16 v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline void store(float* p, float v) { *p = v; }
+static inline void store(bf16* p, float v) {     // to nearest even, as torch rounds
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    *p = (bf16)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+// v rounded as a T would hold it: identity for fp32; for bf16 what torch's bf16 op would have stored
+template <typename T>
+static inline float round_as(float v) {
+    T t;
+    store(&t, v);
+    return widen(t);
+}
+
+// 8 consecutive values widened to fp32 lanes
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const bf16* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
 
 // The sum of the 8 lanes
 static inline float hsum(__m256 v) {
@@ -23,4 +55,50 @@ static inline __m256 exp8(__m256 x) {
     p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
     const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+// 8 lanes rounded to bf16 precision (to nearest even), kept as fp32
+static inline __m256 round8_bf16(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xFFFF0000)));
+}
+template <typename T>
+static inline __m256 round8_as(__m256 v) {
+    if constexpr (sizeof(T) == 2) return round8_bf16(v);
+    else return v;
+}
+
+// One row of n: out[i] = x[i] / sqrt(mean(x^2) + eps) * w[i], in fp32. For bf16 rounded where the model's torch
+// path rounds: the normalised x, then its product with w (Hugging Face's Qwen2RMSNorm).
+template <typename T>
+static inline void norm_row(const T* x, const T* w, float eps, float* out, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = load8(x + i);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    float ss = hsum(acc);
+    for (; i < n; i++) ss += widen(x[i]) * widen(x[i]);
+    const float inv = 1.f / sqrtf(ss / n + eps);
+    for (i = 0; i < n; i++) out[i] = round_as<T>(widen(w[i]) * round_as<T>(widen(x[i]) * inv));
+}
+
+// One row of n: out[i] = silu(g[i]) * u[i], in fp32; for bf16 rounded after the silu and after the product, as
+// torch's F.silu(gate) * up rounds
+template <typename T>
+static inline void silu_row(const T* g, const T* u, float* out, int64_t n) {
+    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 gv = load8(g + i);
+        const __m256 s = round8_as<T>(_mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv)))));
+        _mm256_storeu_ps(out + i, round8_as<T>(_mm256_mul_ps(s, load8(u + i))));
+    }
+    for (; i < n; i++) {
+        const float gi = widen(g[i]);
+        out[i] = round_as<T>(round_as<T>(gi / (1.f + expf(-gi))) * widen(u[i]));
+    }
 }

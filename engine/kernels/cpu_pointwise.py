@@ -1,5 +1,5 @@
-"""Decode's small fp32 ops on a CPU (cpu_pointwise.cpp), one ctypes call each: RMSNorm and RoPE. (SwiGLU runs inside
-the down projection's GEMV call: CpuGemv.fused.)"""
+"""Decode's small ops on a CPU (cpu_pointwise.cpp), one ctypes call each, fp32 or bf16: RMSNorm and RoPE. (SwiGLU
+runs inside the down projection's GEMV call: CpuGemv.fused.)"""
 from __future__ import annotations
 
 import ctypes
@@ -7,7 +7,7 @@ import ctypes
 import torch
 
 from engine.kernels import cpu_build
-from engine.kernels.cpu_gemv import MAX_ROWS
+from engine.kernels.cpu_gemv import DTYPES, MAX_ROWS
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -16,23 +16,22 @@ class CpuPointwise:
     max_rows = MAX_ROWS     # decode steps, as for the GEMV; prefill chunks stay on torch's vectorised ops
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self.norm_fn = lib.rms_norm_f32
-        self.norm_fn.argtypes, self.norm_fn.restype = [_P, _P, ctypes.c_float, _P, _I, _I], None
-        self.rope_fn = lib.rope_f32
-        self.rope_fn.argtypes, self.rope_fn.restype = [_P, _P, _P, _I, _I, _I, _I], None
+        self.norm_fns = {d: cpu_build.bind(lib, f"rms_norm_{n}", [_P, _P, ctypes.c_float, _P, _I, _I])
+                         for d, n in DTYPES.items()}
+        self.rope_fns = {d: cpu_build.bind(lib, f"rope_{n}", [_P, _P, _P, _I, _I, _I, _I]) for d, n in DTYPES.items()}
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """F.rms_norm(x, weight.shape, weight, eps) for contiguous fp32 x [m, n]."""
+        """RMSNorm.forward for contiguous x [m, n] (fp32: F.rms_norm(x, weight.shape, weight, eps))."""
         x = x.contiguous()
         out = torch.empty_like(x)
-        self.norm_fn(x.data_ptr(), weight.data_ptr(), eps, out.data_ptr(), x.shape[0], x.shape[1])
+        self.norm_fns[x.dtype](x.data_ptr(), weight.data_ptr(), eps, out.data_ptr(), x.shape[0], x.shape[1])
         return out
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int) -> None:
         """Rope.apply in place on heads [0, heads) of contiguous x [t, h, hd]; cos, signed_sin of [t, 1, hd]."""
         t, h, hd = x.shape
-        self.rope_fn(x.data_ptr(), cos.contiguous().data_ptr(), signed_sin.contiguous().data_ptr(), t, heads,
-                     h * hd, hd)
+        self.rope_fns[x.dtype](x.data_ptr(), cos.contiguous().data_ptr(), signed_sin.contiguous().data_ptr(), t,
+                               heads, h * hd, hd)
 
 
 def load() -> CpuPointwise | None:

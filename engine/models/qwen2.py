@@ -17,7 +17,7 @@ Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tens
 
 
 class RMSNorm(nn.Module):
-    pointwise = None                  # fp32 decode rows: one C call (kernels.cpu_pointwise); see Qwen2.use_kernels
+    pointwise = None                  # decode rows: one C call (kernels.cpu_pointwise); see Qwen2.use_kernels
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -25,9 +25,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pointwise is not None and x.shape[0] <= self.pointwise.max_rows:
+            return self.pointwise.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
-            if self.pointwise is not None and x.shape[0] <= self.pointwise.max_rows:
-                return self.pointwise.rms_norm(x, self.weight, self.eps)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # as Hugging Face rounds it: normalise in fp32, round to the model dtype, then scale
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
@@ -65,7 +65,7 @@ class Rope(nn.Module):
 
 
 class Layer(nn.Module):
-    kernels = None                    # fp32 decode on a CPU: (CpuGemv, CpuPointwise); see Qwen2.use_kernels
+    kernels = None                    # decode on a CPU: (CpuGemv, CpuPointwise); see Qwen2.use_kernels
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -140,7 +140,7 @@ class Qwen2(nn.Module):
         self.head_gemv = gemv if gemv is not None and gemv.fits(self.head_weight) else None
 
     def use_kernels(self, gemv, pointwise) -> None:
-        """fp32 decode's layers through the fused C calls and the final norm through `pointwise`
+        """Decode's layers (fp32 or bf16) through the fused C calls and the final norm through `pointwise`
         (kernels.cpu_gemv, kernels.cpu_pointwise); None: torch's ops."""
         self.norm.pointwise = pointwise
         for layer in self.layers:

@@ -60,17 +60,16 @@ class TorchRunner:
         self.tokens_computed = 0
         self.penalties = Penalties(self.vocab_size, self.device)
         self.compiled: CompiledDecode | None = None
-        # decode on a CPU: projections and logits through the bandwidth-bound GEMV (fp32, bf16); fp32 layers as
+        # decode on a CPU (fp32, bf16): projections and logits through the bandwidth-bound GEMV, and layers as
         # fused C calls (norms, RoPE, SwiGLU and residuals folded in)
         self.gemv = None
         if self.device.type == "cpu" and self.dtype in cpu_gemv.DTYPES:
             self.gemv = cpu_gemv.load(torch.get_num_threads())
             self.model.use_gemv(self.gemv)
-            if self.dtype == torch.float32:
-                self.model.use_kernels(self.gemv, cpu_pointwise.load())
+            self.model.use_kernels(self.gemv, cpu_pointwise.load())
         fused = self.model.layers[0].kernels is not None
         if compile and fused:
-            log.info("compile: fp32 decode runs the fused CPU kernels, which outrun the compiled graph; not compiling")
+            log.info("compile: decode runs the fused CPU kernels, which outrun the compiled graph; not compiling")
         self.compile = compile and not fused
 
     def init_paged(self, num_blocks: int, block_size: int) -> None:

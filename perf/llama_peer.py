@@ -1,0 +1,123 @@
+"""llama.cpp as a bench-peers peer: built on demand, fed the same checkpoint, run in its own process.
+
+The registry has llama-cpp-python only as a source distribution, so `build()` compiles it (about 5-7 minutes on
+2 cores) into a virtual environment of its own under the cache folder, once. The checkpoint is converted with the
+`convert_hf_to_gguf.py` that ships in that same sdist (vendor/llama.cpp, with its own gguf-py), run by this
+project's interpreter (it needs torch, transformers and sentencepiece, which the bench extras have); the GGUF files
+are cached beside it. `Peer` keeps one model loaded in a worker (perf/llama_peer_worker.py) so that its runs and
+Pagoda's can alternate.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+from engine.config import EngineConfig, cache_root
+from engine.core.engine import Engine
+from perf.common import Pair, decode_rate, greedy_run, median_pair, prompt_ids
+
+VERSION = "0.3.36"
+OUTTYPES = {"float32": "f32", "bfloat16": "bf16"}      # Pagoda's dtype -> the converter's --outtype
+WORKER = Path(__file__).with_name("llama_peer_worker.py")
+
+
+def home() -> Path:
+    return cache_root() / "peers" / f"llama-cpp-python-{VERSION}"
+
+
+def python() -> Path:
+    return home() / "env" / "bin" / "python"
+
+
+def _run(cmd: list, **kw) -> None:
+    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kw)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, cmd))} failed: {(done.stderr or done.stdout).strip()[-800:]}")
+
+
+def build() -> tuple[Path | None, str]:
+    """(the llama.cpp tree with the converter, "") once built and cached; (None, why) when it cannot be built."""
+    done, src = home() / ".built", home() / "src"
+    tree = src / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
+    if done.exists():
+        return tree, ""
+    try:
+        src.mkdir(parents=True, exist_ok=True)
+        _run([sys.executable, "-m", "venv", "--clear", home() / "env"])
+        _run([python(), "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+              f"llama-cpp-python=={VERSION}", "-d", src])
+        sdist = src / f"llama_cpp_python-{VERSION}.tar.gz"
+        env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)}
+        _run([python(), "-m", "pip", "install", "-q", "--no-cache-dir", sdist], env=env)
+        prefix = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
+        with tarfile.open(sdist) as tar:
+            wanted = [m for m in tar.getmembers() if m.name.startswith(prefix) and
+                      m.name[len(prefix):].split("/")[0] in ("convert_hf_to_gguf.py", "conversion", "gguf-py")]
+            tar.extractall(src, members=wanted, filter="data")
+    except (OSError, RuntimeError) as e:
+        return None, f"llama-cpp-python {VERSION} could not be built: {e}"
+    done.touch()
+    return tree, ""
+
+
+def gguf(tree: Path, model: Path, dtype: str) -> Path:
+    """The checkpoint at `model` as a GGUF of `dtype`'s type, converted by llama.cpp's own script once."""
+    out = home() / "gguf" / f"{model.name}-{OUTTYPES[dtype]}.gguf"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".partial")
+        _run([sys.executable, tree / "convert_hf_to_gguf.py", model, "--outtype", OUTTYPES[dtype], "--outfile", tmp])
+        tmp.rename(out)
+    return out
+
+
+class Peer:
+    """One GGUF loaded by llama.cpp in a worker process, `threads` threads, greedy."""
+
+    def __init__(self, path: Path, threads: int, n_ctx: int = 1024) -> None:
+        self.proc = subprocess.Popen([str(python()), str(WORKER), str(path), str(threads), str(n_ctx)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if not self._read().get("ready"):
+            raise RuntimeError("llama.cpp worker did not start")
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"llama.cpp worker exited ({self.proc.wait()})")
+        return json.loads(line)
+
+    def run(self, prompt: list[int], tokens: int) -> tuple[float, list[float]]:
+        """(TTFT in seconds, each token's arrival in seconds from the start) of one greedy run, EOS ignored."""
+        self.proc.stdin.write(json.dumps({"prompt": prompt, "tokens": tokens}) + "\n")
+        self.proc.stdin.flush()
+        got = self._read()
+        return got["ttft"], got["times"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def compare(tree: Path, model: Path, dtype: str, threads: int, tokens: int, repeats: int,
+            prefill: int = 512) -> tuple[Pair, Pair]:
+    """Pagoda in process against llama.cpp on the same checkpoint, dtype and threads, in ABBA order, each side
+    given the same prompts in turn (fresh ones, so neither reuses a cached prefix): (decode tok/s after a 64-token
+    prompt, prefill tok/s = prefill / TTFT of a `prefill`-token prompt)."""
+    peer = Peer(gguf(tree, model, dtype), threads, n_ctx=max(prefill, 64 + tokens) + 16)
+    engine = Engine(EngineConfig(model=str(model), dtype=dtype, num_threads=threads))
+    try:
+        greedy_run(engine, prompt_ids(64, seed=1), 8), peer.run(prompt_ids(64, seed=1), 8)        # warm-up
+        ours, theirs = itertools.count(10), itertools.count(10)
+        decode = median_pair(lambda: greedy_run(engine, prompt_ids(64, seed=next(ours)), tokens)[1],
+                             lambda: decode_rate(peer.run(prompt_ids(64, seed=next(theirs)), tokens)[1]), repeats)
+        ours, theirs = itertools.count(1000), itertools.count(1000)
+        ttft = median_pair(lambda: prefill / greedy_run(engine, prompt_ids(prefill, seed=next(ours)), 1)[0],
+                           lambda: prefill / peer.run(prompt_ids(prefill, seed=next(theirs)), 1)[0], repeats)
+        return decode, ttft
+    finally:
+        peer.close()
