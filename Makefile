@@ -48,6 +48,7 @@ bench: setup
 soak: setup
 	$(PY) -m scripts.soak --seconds $(SOAK_SECONDS) --concurrency 8 --kills $(SOAK_KILLS)
 
-# Pagoda next to transformers, mlx-lm, the memory roofline and itself through tritonserver, in one run (~20 min).
+# Pagoda next to transformers, mlx-lm, llama.cpp, the memory roofline and itself through tritonserver, in one run
+# (~25 min; the first run builds llama-cpp-python, ~7 min more). `--only SECTION` runs one section.
 bench-peers: setup
 	$(PY) -m perf.bench_peers --out perf/results

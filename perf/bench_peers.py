@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--quick", action="store_true", help="fewer tokens and repeats (a smoke run, not numbers)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--out", default=str(ROOT / "perf/results"))
+    ap.add_argument("--only", action="append", metavar="SECTION", help="run only this section (repeatable)")
     args = ap.parse_args(argv)
     n, reps = (16, 1) if args.quick else (256, 2)
     small_n, small_reps = (16, 1) if args.quick else (128, 15)
@@ -213,6 +214,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                              16 if args.quick else 128, 2 if args.quick else 4)),
     ]
     rows: list[dict] = []
+    if set(args.only or []) - {name for name, _ in steps}:
+        ap.error(f"--only: the sections are {', '.join(name for name, _ in steps)}")
+    steps = [(name, step) for name, step in steps if not args.only or name in args.only]
     for name, step in tqdm(steps, desc="bench-peers", unit="section", file=sys.stderr):
         rows += step()
     print(f"\nPagoda vs peers, {time.strftime('%Y-%m-%d')}, torch threads {t}"

@@ -1,11 +1,11 @@
 """llama.cpp as a bench-peers peer: built on demand, fed the same checkpoint, run in its own process.
 
 The registry has llama-cpp-python only as a source distribution, so `build()` compiles it (about 5-7 minutes on
-2 cores) into a virtual environment of its own under the cache folder, once. The checkpoint is converted with the
-`convert_hf_to_gguf.py` that ships in that same sdist (vendor/llama.cpp, with its own gguf-py), run by this
-project's interpreter (it needs torch, transformers and sentencepiece, which the bench extras have); the GGUF files
-are cached beside it. `Peer` keeps one model loaded in a worker (perf/llama_peer_worker.py) so that its runs and
-Pagoda's can alternate.
+2 cores) into a virtual environment of its own under the cache folder, once, with what the converter needs beside
+it. The checkpoint is converted with the `convert_hf_to_gguf.py` that ships in that same sdist (vendor/llama.cpp,
+with its own gguf-py), in that environment: its sentencepiece brings an OpenMP runtime of its own, which must not
+load into a process beside torch's (tests/test_cpu_kernels.py). The GGUF files are cached beside it. `Peer` keeps
+one model loaded in a worker (perf/llama_peer_worker.py) so that its runs and Pagoda's can alternate.
 """
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ from engine.core.engine import Engine
 from perf.common import Pair, decode_rate, greedy_run, median_pair, prompt_ids
 
 VERSION = "0.3.36"
+# what convert_hf_to_gguf.py imports (its requirements file pins older torch and transformers; these are the
+# project's own, and the CPU build of torch)
+CONVERTER = ["torch==2.13.0", "transformers==5.24.0", "sentencepiece", "safetensors", "pyyaml", "numpy"]
 OUTTYPES = {"float32": "f32", "bfloat16": "bf16"}      # Pagoda's dtype -> the converter's --outtype
 WORKER = Path(__file__).with_name("llama_peer_worker.py")
 
@@ -54,6 +57,7 @@ def build() -> tuple[Path | None, str]:
         sdist = src / f"llama_cpp_python-{VERSION}.tar.gz"
         env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)}
         _run([python(), "-m", "pip", "install", "-q", "--no-cache-dir", sdist], env=env)
+        _run([python(), "-m", "pip", "install", "-q", *CONVERTER])
         prefix = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
         with tarfile.open(sdist) as tar:
             wanted = [m for m in tar.getmembers() if m.name.startswith(prefix) and
@@ -71,7 +75,7 @@ def gguf(tree: Path, model: Path, dtype: str) -> Path:
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".partial")
-        _run([sys.executable, tree / "convert_hf_to_gguf.py", model, "--outtype", OUTTYPES[dtype], "--outfile", tmp])
+        _run([python(), tree / "convert_hf_to_gguf.py", model, "--outtype", OUTTYPES[dtype], "--outfile", tmp])
         tmp.rename(out)
     return out
 

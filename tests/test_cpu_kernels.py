@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
-from engine.kernels import CALLS, cpu_attention, cpu_gemv, cpu_pointwise, reference, select
+from engine.kernels import CALLS, cpu_attention, cpu_gemv, cpu_layers, cpu_pointwise, reference, select
 from engine.models.presets import make_model
 from engine.models.qwen2 import Linear, RMSNorm, Rope
 from tests.helpers import random_ids
@@ -157,30 +157,71 @@ def cpu_build_ok() -> bool:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_engine_routes_decode_to_the_kernels_and_generates_what_torch_does(gemv, small_dir, monkeypatch, dtype):
-    calls, fused = [], []
-    real, real_fused = cpu_gemv.CpuGemv.__call__, cpu_gemv.CpuGemv.fused
+@pytest.mark.parametrize("storage", ["paged", "dense"])
+def test_engine_routes_decode_to_the_kernels_and_generates_what_torch_does(gemv, small_dir, monkeypatch, dtype,
+                                                                           storage):
+    """Paged decode runs every layer in one cpu_layers call; dense, whose rows each have a buffer of their own, the
+    six fused calls a layer (Layer.fused). Both decode what torch's ops decode."""
+    calls, fused, stacks = [], [], []
+    real, real_fused, real_stack = cpu_gemv.CpuGemv.__call__, cpu_gemv.CpuGemv.fused, cpu_layers.CpuLayers.__call__
     monkeypatch.setattr(cpu_gemv.CpuGemv, "__call__", lambda self, x, w, b=None: calls.append(x.shape[0])
                         or real(self, x, w, b))
     monkeypatch.setattr(cpu_gemv.CpuGemv, "fused", lambda self, x, *a, **kw: fused.append(x.shape[0])
                         or real_fused(self, x, *a, **kw))
+    monkeypatch.setattr(cpu_layers.CpuLayers, "__call__", lambda self, x, *a: stacks.append(x.shape[0])
+                        or real_stack(self, x, *a))
     prompts = [random_ids(40, seed=1), random_ids(9, seed=2)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    fast = LLM(model=small_dir, dtype=dtype, max_batch_size=2)
+    fast = LLM(model=small_dir, dtype=dtype, max_batch_size=2, kv_storage=storage)
     model = fast.engine.runner.model
     assert all(mod.gemv is fast.engine.runner.gemv for mod in model.modules() if isinstance(mod, Linear))
     before = CALLS["cpu"]
     got = [o.token_ids for o in fast.generate(prompts, params)]
-    assert CALLS["cpu"] > before and fast.engine.runner.ops.name == "cpu"
+    assert fast.engine.runner.ops.name == "cpu" and model.stack is not None
     assert all(layer.kernels == (fast.engine.runner.gemv, model.norm.pointwise) for layer in model.layers)
     layers = len(model.layers)
-    assert calls and max(calls + fused) <= cpu_gemv.MAX_ROWS
-    assert len(fused) >= 23 * 4 * layers and len(calls) >= 23      # every projection and the head of every step
+    assert calls and max(calls + fused + stacks) <= cpu_gemv.MAX_ROWS and len(calls) >= 23   # the head of each step
+    if storage == "paged":
+        assert CALLS["cpu"] > before and len(stacks) >= 23 and not fused      # every decode step, all layers at once
+    else:
+        assert len(fused) >= 23 * 4 * layers and not stacks                  # every projection of every step
     monkeypatch.setenv("PAGODA_CPU_KERNELS", "0")
-    plain = LLM(model=small_dir, dtype=dtype, max_batch_size=2)
+    plain = LLM(model=small_dir, dtype=dtype, max_batch_size=2, kv_storage=storage)
     assert plain.engine.runner.gemv is None and plain.engine.runner.ops.name == "reference"
     assert got == [o.token_ids for o in plain.generate(prompts, params)]
-    assert fast.engine.pool.num_used == 0
+    assert fast.engine.pool is None or fast.engine.pool.num_used == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_layers_in_one_call_compute_what_the_per_layer_calls_do(gemv, small_dir, dtype):
+    """cpu_layers against Layer.fused over the same caches, 3 rows at different lengths: the same kernels in the
+    same order, so the same bits, and the same K/V written."""
+    from engine.kernels.cpu_layers import Paged
+    from engine.models.loader import load_model
+    model = load_model(small_dir, str(dtype).removeprefix("torch."))
+    model.use_gemv(gemv)
+    model.use_kernels(gemv, cpu_pointwise.load(), cpu_layers.load(2, model.layers, model.cfg.rms_norm_eps))
+    cfg, g = model.cfg, torch.Generator().manual_seed(7)
+    shape = (cfg.num_hidden_layers, 12, 16, cfg.num_key_value_heads, cfg.head_dim)
+    k_cache, v_cache = (torch.randn(*shape, generator=g).to(dtype) for _ in range(2))
+    lens = [5, 17, 40]
+    tables = torch.tensor([[3, 0, 0], [7, 1, 0], [2, 9, 4]])
+    slots = torch.tensor([int(tables[i, (n - 1) // 16]) * 16 + (n - 1) % 16 for i, n in enumerate(lens)])
+    paged = Paged(k_cache, v_cache, slots, tables, torch.tensor(lens), cfg.head_dim ** -0.5)
+    x = torch.randn(3, cfg.hidden_size, generator=g).to(dtype)
+    rope = model.rope.tables(torch.tensor(lens) - 1, dtype)
+    ops = select("cpu", "cpu", str(dtype).removeprefix("torch."))
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+
+    def attn(layer, q, k, v):
+        return ops.decode_step(q, k, v, want_k[layer], want_v[layer], slots, tables, paged.seq_lens, paged.scale)
+    with torch.inference_mode():
+        want = x.clone()
+        for i, layer in enumerate(model.layers):
+            want = layer.fused(i, want, rope, attn)
+        got = model.stack(x.clone(), rope, paged)
+    assert torch.equal(got, want)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 
 def test_torch_serves_small_weights_bf16_and_compiled_decode(tiny_dir, small_dir, monkeypatch):

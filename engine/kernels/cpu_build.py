@@ -20,7 +20,8 @@ from engine.config import cache_root, cpu_kernels
 
 log = logging.getLogger("pagoda")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_pointwise.cpp")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_pointwise.cpp", "cpu_layers.cpp")]
 HEADERS = [Path(__file__).with_name("cpu_math.h")]
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared"]
 ISAS = {"avx2": ["-mavx2", "-mfma"], "avx512": ["-mavx2", "-mfma", "-mavx512f"]}

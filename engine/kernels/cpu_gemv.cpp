@@ -36,116 +36,89 @@ static inline void finish(__m256 (&acc)[C][R], const float* x, const T* w, int64
         }
 }
 
+// The vector the blocks below compute in: 512 bits where the library is built for AVX-512, else 256. `narrow` folds
+// it to 8 lanes for finish; `even` and `odd` widen 2 * N bf16 weights, the even-indexed by a shift and the
+// odd-indexed by a mask, no shuffle.
 #ifdef __AVX512F__
-constexpr int64_t CHUNK = 32;     // bf16 weights a load: x is laid out per chunk, its even-indexed half first
-
-static inline __m256 narrow(__m512 v) {
-    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-}
-
-// Accumulators of 16 lanes folded to 8, for finish
-template <int R, int C>
-static inline void fold(__m512 (&wide)[C][R], __m256 (&acc)[C][R]) {
-    for (int c = 0; c < C; c++)
-        for (int r = 0; r < R; r++) acc[c][r] = narrow(wide[c][r]);
-}
-
-// fp32: R weight rows against C input rows (stride k), 16 lanes at a time.
-template <int R, int C>
-static inline void block(const float* x, const float* w, int64_t k, const float* bias, float* y, int64_t ldy) {
-    __m512 wide[C][R];
-    for (int c = 0; c < C; c++)
-        for (int r = 0; r < R; r++) wide[c][r] = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= k; i += 16) {
-        __m512 wv[R];
-        for (int r = 0; r < R; r++) wv[r] = _mm512_loadu_ps(w + r * k + i);
-        for (int c = 0; c < C; c++) {
-            __m512 xv = _mm512_loadu_ps(x + c * k + i);
-            for (int r = 0; r < R; r++) wide[c][r] = _mm512_fmadd_ps(wv[r], xv, wide[c][r]);
-        }
+struct Vec {
+    using V = __m512;
+    static constexpr int N = 16;
+    static V zero() { return _mm512_setzero_ps(); }
+    static V load(const float* p) { return _mm512_loadu_ps(p); }
+    static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+    static __m512i raw(const bf16* p) { return _mm512_loadu_si512((const void*)p); }
+    static V even(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+    static V odd(__m512i v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000))); }
+    static __m256 narrow(V v) {
+        return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
     }
-    __m256 acc[C][R];
-    fold<R, C>(wide, acc);
-    finish<float, R, C>(acc, x, w, i, k, bias, y, ldy);
-}
-
-// bf16: 32 weights at a time, the even-indexed widened by a shift and the odd-indexed by a mask, no shuffle; x is
-// fp32 in the same order (see fused). The next block's line is prefetched.
-template <int R, int C>
-static inline void block(const float* x, const bf16* w, int64_t k, const bf16* bias, bf16* y, int64_t ldy) {
-    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000);
-    __m512 wide[C][R];
-    for (int c = 0; c < C; c++)
-        for (int r = 0; r < R; r++) wide[c][r] = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + CHUNK <= k; i += CHUNK) {
-        __m512 even[R], odd[R];
-        for (int r = 0; r < R; r++) {
-            _mm_prefetch((const char*)(w + (r + R) * k + i), _MM_HINT_T0);
-            __m512i v = _mm512_loadu_si512((const void*)(w + r * k + i));
-            even[r] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-            odd[r] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
-        }
-        for (int c = 0; c < C; c++) {
-            __m512 xe = _mm512_loadu_ps(x + c * k + i), xo = _mm512_loadu_ps(x + c * k + i + 16);
-            for (int r = 0; r < R; r++)
-                wide[c][r] = _mm512_fmadd_ps(odd[r], xo, _mm512_fmadd_ps(even[r], xe, wide[c][r]));
-        }
-    }
-    __m256 acc[C][R];
-    fold<R, C>(wide, acc);
-    finish<bf16, R, C>(acc, x, w, i, k, bias, y, ldy);
-}
+};
 #else
-// fp32: R weight rows against C input rows (stride k), 8 lanes at a time.
+struct Vec {
+    using V = __m256;
+    static constexpr int N = 8;
+    static V zero() { return _mm256_setzero_ps(); }
+    static V load(const float* p) { return _mm256_loadu_ps(p); }
+    static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+    static __m256i raw(const bf16* p) { return _mm256_loadu_si256((const __m256i*)p); }
+    static V even(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+    static V odd(__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000))); }
+    static __m256 narrow(V v) { return v; }
+};
+#endif
+constexpr int64_t CHUNK = 2 * Vec::N;     // bf16 weights a load: x is laid out per chunk, its even-indexed half first
+
+template <typename T, int R, int C>
+static inline void finish_wide(Vec::V (&wide)[C][R], const float* x, const T* w, int64_t i, int64_t k, const T* bias,
+                               T* y, int64_t ldy) {
+    __m256 acc[C][R];
+    for (int c = 0; c < C; c++)
+        for (int r = 0; r < R; r++) acc[c][r] = Vec::narrow(wide[c][r]);
+    finish<T, R, C>(acc, x, w, i, k, bias, y, ldy);
+}
+
+// fp32: R weight rows against C input rows (stride k), N lanes at a time.
 template <int R, int C>
 static inline void block(const float* x, const float* w, int64_t k, const float* bias, float* y, int64_t ldy) {
-    __m256 acc[C][R];
+    Vec::V acc[C][R];
     for (int c = 0; c < C; c++)
-        for (int r = 0; r < R; r++) acc[c][r] = _mm256_setzero_ps();
+        for (int r = 0; r < R; r++) acc[c][r] = Vec::zero();
     int64_t i = 0;
-    for (; i + 8 <= k; i += 8) {
-        __m256 wv[R];
-        for (int r = 0; r < R; r++) wv[r] = _mm256_loadu_ps(w + r * k + i);
+    for (; i + Vec::N <= k; i += Vec::N) {
+        Vec::V wv[R];
+        for (int r = 0; r < R; r++) wv[r] = Vec::load(w + r * k + i);
         for (int c = 0; c < C; c++) {
-            __m256 xv = _mm256_loadu_ps(x + c * k + i);
-            if (R > 1) __asm__("" : "+x"(xv));      // keep xv in a register: folded into each FMA it loads R times
-            for (int r = 0; r < R; r++) acc[c][r] = _mm256_fmadd_ps(wv[r], xv, acc[c][r]);
+            Vec::V xv = Vec::load(x + c * k + i);
+            if (R > 1) __asm__("" : "+v"(xv));      // keep xv in a register: folded into each FMA it loads R times
+            for (int r = 0; r < R; r++) acc[c][r] = Vec::fma(wv[r], xv, acc[c][r]);
         }
     }
-    finish<float, R, C>(acc, x, w, i, k, bias, y, ldy);
+    finish_wide<float, R, C>(acc, x, w, i, k, bias, y, ldy);
 }
 
-constexpr int64_t CHUNK = 16;     // bf16 weights a load: x is laid out per chunk, its even-indexed half first
-
-// bf16: 16 weights at a time, the even-indexed widened by a shift and the odd-indexed by a mask, no shuffle; x is
-// fp32 in the same order (see fused). The next block is prefetched: +19% measured, none for fp32.
+// bf16: CHUNK weights at a time, widened exactly; x is fp32 in the same order (see fused). The next block's lines
+// are prefetched: +19% measured with 256-bit loads, none for fp32.
 template <int R, int C>
 static inline void block(const float* x, const bf16* w, int64_t k, const bf16* bias, bf16* y, int64_t ldy) {
-    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000);
-    __m256 acc[C][R];
+    Vec::V acc[C][R];
     for (int c = 0; c < C; c++)
-        for (int r = 0; r < R; r++) acc[c][r] = _mm256_setzero_ps();
+        for (int r = 0; r < R; r++) acc[c][r] = Vec::zero();
     int64_t i = 0;
     for (; i + CHUNK <= k; i += CHUNK) {
-        __m256 even[R], odd[R];
+        Vec::V even[R], odd[R];
         for (int r = 0; r < R; r++) {
-            if ((i & 31) == 0) _mm_prefetch((const char*)(w + (r + R) * k + i), _MM_HINT_T0);
-            __m256i v = _mm256_loadu_si256((const __m256i*)(w + r * k + i));
-            even[r] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-            odd[r] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+            if ((i & 31) == 0) _mm_prefetch((const char*)(w + (r + R) * k + i), _MM_HINT_T0);   // one line a row
+            const auto v = Vec::raw(w + r * k + i);
+            even[r] = Vec::even(v);
+            odd[r] = Vec::odd(v);
         }
         for (int c = 0; c < C; c++) {
-            __m256 xe = _mm256_loadu_ps(x + c * k + i), xo = _mm256_loadu_ps(x + c * k + i + 8);
-            for (int r = 0; r < R; r++)
-                acc[c][r] = _mm256_fmadd_ps(odd[r], xo, _mm256_fmadd_ps(even[r], xe, acc[c][r]));
+            const Vec::V xe = Vec::load(x + c * k + i), xo = Vec::load(x + c * k + i + Vec::N);
+            for (int r = 0; r < R; r++) acc[c][r] = Vec::fma(odd[r], xo, Vec::fma(even[r], xe, acc[c][r]));
         }
     }
-    finish<bf16, R, C>(acc, x, w, i, k, bias, y, ldy);
+    finish_wide<bf16, R, C>(acc, x, w, i, k, bias, y, ldy);
 }
-
-#endif
 
 // Weight rows [r0, r0 + R) against every input row: 4 input rows at a time, then one at a time.
 template <typename T, int R>

@@ -115,10 +115,14 @@ class Qwen2(nn.Module):
         self.rope = Rope(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.head_gemv = None
+        self.stack = None                 # paged decode on a CPU: every layer in one C call (kernels.cpu_layers)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
         x = F.embedding(ids, self.embed.weight)
         rope = self.rope.tables(positions, x.dtype)
+        paged = getattr(attn, "paged", None)          # set on paged decode steps with the CPU attention kernel
+        if self.stack is not None and paged is not None and x.shape[0] <= self.stack.max_rows:
+            return self.norm.forward(self.stack(x, rope, paged))
         for i, layer in enumerate(self.layers):
             x = layer.forward(i, x, rope, attn)
         return self.norm.forward(x)
@@ -139,9 +143,11 @@ class Qwen2(nn.Module):
                 mod.gemv = gemv if gemv is not None and gemv.fits(mod.weight) else None
         self.head_gemv = gemv if gemv is not None and gemv.fits(self.head_weight) else None
 
-    def use_kernels(self, gemv, pointwise) -> None:
+    def use_kernels(self, gemv, pointwise, stack=None) -> None:
         """Decode's layers (fp32 or bf16) through the fused C calls and the final norm through `pointwise`
-        (kernels.cpu_gemv, kernels.cpu_pointwise); None: torch's ops."""
+        (kernels.cpu_gemv, kernels.cpu_pointwise); paged decode's layers all in one call to `stack`
+        (kernels.cpu_layers) where given. None: torch's ops."""
         self.norm.pointwise = pointwise
+        self.stack = stack if gemv is not None and pointwise is not None else None
         for layer in self.layers:
             layer.kernels = None if gemv is None or pointwise is None else (gemv, pointwise)

@@ -5,6 +5,7 @@ import torch
 
 from engine.kernels import CALLS, KernelOps
 from engine.kernels import reference as ref
+from engine.kernels.cpu_layers import Paged
 from engine.runners.base import Row, spans
 
 
@@ -24,6 +25,7 @@ def paged(ops: KernelOps, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: li
         if ops.decode_step is not None:
             def fused(layer: int, q, k, v):
                 return ops.decode_step(q, k, v, k_cache[layer], v_cache[layer], slots, tables, seq_lens, scale)
+            fused.paged = Paged(k_cache, v_cache, slots, tables, seq_lens, scale)     # for cpu_layers: all layers
             return fused
 
         def decode(layer: int, q, k, v):

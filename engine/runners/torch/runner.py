@@ -9,7 +9,7 @@ import torch
 
 from engine import kernels
 from engine.core.sampling import SamplingParams
-from engine.kernels import cpu_gemv, cpu_pointwise
+from engine.kernels import cpu_gemv, cpu_layers, cpu_pointwise
 from engine.models.loader import load_model
 from engine.runners.base import Geometry, Row, Sampled, flatten, in_order, logprob_rows
 from engine.runners.torch import attention as torch_attention
@@ -66,7 +66,8 @@ class TorchRunner:
         if self.device.type == "cpu" and self.dtype in cpu_gemv.DTYPES:
             self.gemv = cpu_gemv.load(torch.get_num_threads())
             self.model.use_gemv(self.gemv)
-            self.model.use_kernels(self.gemv, cpu_pointwise.load())
+            self.model.use_kernels(self.gemv, cpu_pointwise.load(),
+                                   cpu_layers.load(torch.get_num_threads(), self.model.layers, cfg.rms_norm_eps))
         fused = self.model.layers[0].kernels is not None
         if compile and fused:
             log.info("compile: decode runs the fused CPU kernels, which outrun the compiled graph; not compiling")
