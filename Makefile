@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,triton,bench,server,mlx,kernels]'
+	# bench-peers' mlx-lm row; without its deps, whose sentencepiece would load a second OpenMP runtime beside torch's
+	$(PY) -m pip install -q --no-deps mlx-lm==0.32.2
 	bash scripts/system_deps.sh $(PY)
 	touch $(STAMP)
 

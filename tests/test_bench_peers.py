@@ -107,3 +107,13 @@ def test_roofline_pairs_each_decode_run_with_its_own_ceilings(tiny_dir, monkeypa
     assert roof["pagoda"] == 20.0 and roof["peer"] == 200 / weights
     assert rows[1]["ratio"] == 1.0 and rows[2]["ratio"] == 1.0           # median rate 20 against a 20 tok/s pass
     assert len(rows) == 3
+
+
+def test_the_mlx_lm_peer_is_installed_where_mlx_is():
+    """`make setup` installs mlx-lm (without its dependencies) for the mlx-lm row; bench-peers would stop there
+    without it."""
+    import importlib.util
+
+    import pytest
+    pytest.importorskip("mlx.core")
+    assert importlib.util.find_spec("mlx_lm") is not None
