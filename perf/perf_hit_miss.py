@@ -25,7 +25,8 @@ def input_data(prompts: list[list[int]], params: dict) -> dict:
                       "return_num_input_tokens": [True]} for p in prompts]}
 
 
-def perf_analyzer(url: str, model: str, data: Path, export: Path, requests: int, version: str = "1") -> None:
+def perf_analyzer(url: str, model: str, data: Path, export: Path, requests: int, version: str = "1") -> bool:
+    """One perf_analyzer run; False when it exited 0 but left its export empty, which 2.51 does now and then."""
     export.unlink(missing_ok=True)            # perf_analyzer refuses to overwrite an export
     # -x: with no version named, perf_analyzer picks the one whose server-side stats changed during the run, and
     # fails ("failed to find the requested model version") when its last snapshot beats the server's stats update
@@ -37,6 +38,21 @@ def perf_analyzer(url: str, model: str, data: Path, export: Path, requests: int,
         text = run.stdout + run.stderr
         raise SystemExit(f"perf_analyzer failed ({run.returncode}): {' '.join(cmd)}\n{text[:1500]}\n...\n"
                          f"{text[-1500:]}")
+    return export.exists() and export.stat().st_size > 0
+
+
+def profile(args: argparse.Namespace, w: Workload, prefix: list[int], kind: str, requests: int, params: dict,
+            export: Path, tries: int = 3) -> dict:
+    """perf_analyzer's export of `requests` MISS or HIT requests. An empty export is run again, on fresh prompts
+    (the last try's may be cached now)."""
+    out = export.parent
+    for _ in range(tries):
+        prompts = [w.miss() if kind == "miss" else w.hit(prefix) for _ in range(3 * requests)]   # 3x spare
+        (out / f"pa_input_{kind}.json").write_text(json.dumps(input_data(prompts, params)))
+        if perf_analyzer(args.url, args.model, out / f"pa_input_{kind}.json", export, requests, args.model_version):
+            return json.loads(export.read_text())
+        print(f"perf_analyzer exited 0 but left {export.name} empty; running it again", file=sys.stderr)
+    raise SystemExit(f"perf_analyzer left {export} empty {tries} times")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -62,12 +78,8 @@ def main(argv: list[str] | None = None) -> dict:
     per_round = max(1, args.requests // args.rounds)
     exports: dict[str, list[dict]] = {"miss": [], "hit": []}
     for i in range(args.rounds):
-        for kind in ("miss", "hit"):    # fresh prompts each round (3x spare): none repeats within the run
-            prompts = [w.miss() if kind == "miss" else w.hit(prefix) for _ in range(3 * per_round)]
-            (out / f"pa_input_{kind}.json").write_text(json.dumps(input_data(prompts, params)))
-            export = out / f"pa_{kind}_{i}.json"
-            perf_analyzer(args.url, args.model, out / f"pa_input_{kind}.json", export, per_round, args.model_version)
-            exports[kind].append(json.loads(export.read_text()))
+        for kind in ("miss", "hit"):    # fresh prompts each round: none repeats within the run
+            exports[kind].append(profile(args, w, prefix, kind, per_round, params, out / f"pa_{kind}_{i}.json"))
     result = compare.compare(exports["miss"], exports["hit"])
     print(compare.table(result))
     compare.plot(result, str(out / "pa_hit_vs_miss.png"))

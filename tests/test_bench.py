@@ -133,3 +133,27 @@ def test_bench_features_prints_each_feature_against_its_baseline(capsys):
     assert [r[0] for r in rows] == [*bench_features.FEATURES, "json schema", "json schema"]
     assert rows[-1][1] == "json schema, lookahead off" and all(float(r[4]) > 0 for r in rows)
     assert "n=4 (aggregate)" in capsys.readouterr().out
+
+
+def test_an_empty_perf_analyzer_export_is_run_again_on_fresh_prompts(tmp_path, monkeypatch, capsys):
+    """perf_analyzer 2.51 now and then exits 0 with its export empty: the run is repeated on new prompts (the
+    earlier try's may be cached by then), and a run that never writes one stops with the file named."""
+    from argparse import Namespace
+
+    from perf import perf_hit_miss
+    inputs, writes = [], iter(["", '{"experiments": []}'])
+
+    def fake_run(url, model, data, export, requests, version="1"):
+        inputs.append(json.loads(data.read_text()))
+        export.write_text(next(writes, ""))
+        return export.stat().st_size > 0
+    monkeypatch.setattr(perf_hit_miss, "perf_analyzer", fake_run)
+    args = Namespace(url="u", model="llm", model_version="1")
+    w = Workload(40, 8, seed=1)
+    got = perf_hit_miss.profile(args, w, w.miss(), "miss", 2, {"max_tokens": 4}, tmp_path / "pa_miss_0.json")
+    assert got == {"experiments": []} and len(inputs) == 2
+    first, second = ([d["input_ids"]["content"] for d in run["data"]] for run in inputs)
+    assert len(first) == len(second) == 6 and not set(map(tuple, first)) & set(map(tuple, second))
+    assert "left pa_miss_0.json empty; running it again" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="left .*pa_hit_0.json empty 3 times"):
+        perf_hit_miss.profile(args, w, w.miss(), "hit", 2, {"max_tokens": 4}, tmp_path / "pa_hit_0.json")
