@@ -91,15 +91,17 @@ static void attend(const float* qh, const T* kc, const T* vc, const int64_t* tab
     }
 }
 
-// q, out [B, nh, hd]; k, v [B, n_kv, hd]; caches [slots, n_kv, hd] (one layer); tables [B, width] of block ids.
+// q [B, nh, hd] and k, v [B, n_kv, hd], rows q_stride and kv_stride elements apart (slices of one QKV output
+// need no copy); out [B, nh, hd]; caches [slots, n_kv, hd] (one layer); tables [B, width] of block ids.
 template <typename T>
-static void paged_decode(const T* q, const T* k, const T* v, T* k_cache, T* v_cache, const int64_t* slots,
-                         const int64_t* tables, int64_t width, const int64_t* seq_lens, int64_t B, int64_t nh,
-                         int64_t n_kv, int64_t hd, int64_t bs, float scale, T* out, int threads) {
+static void paged_decode(const T* q, const T* k, const T* v, int64_t q_stride, int64_t kv_stride, T* k_cache,
+                         T* v_cache, const int64_t* slots, const int64_t* tables, int64_t width,
+                         const int64_t* seq_lens, int64_t B, int64_t nh, int64_t n_kv, int64_t hd, int64_t bs,
+                         float scale, T* out, int threads) {
     const int64_t row = n_kv * hd, group = nh / n_kv;
     for (int64_t b = 0; b < B; b++) {
-        memcpy(k_cache + slots[b] * row, k + b * row, row * sizeof(T));
-        memcpy(v_cache + slots[b] * row, v + b * row, row * sizeof(T));
+        memcpy(k_cache + slots[b] * row, k + b * kv_stride, row * sizeof(T));
+        memcpy(v_cache + slots[b] * row, v + b * kv_stride, row * sizeof(T));
     }
     int64_t work = 0;
     for (int64_t b = 0; b < B; b++) work += seq_lens[b];
@@ -111,7 +113,7 @@ static void paged_decode(const T* q, const T* k, const T* v, T* k_cache, T* v_ca
             const int64_t b = bh / nh, h = bh % nh, len = seq_lens[b], off = (h / group) * hd;
             const T *kc = k_cache + off, *vc = v_cache + off;
             const int64_t* table = tables + b * width;
-            for (int64_t d = 0; d < hd; d++) qf[d] = widen(q[bh * hd + d]);
+            for (int64_t d = 0; d < hd; d++) qf[d] = widen(q[b * q_stride + h * hd + d]);
             scores.resize(len);
             if (hd == 64) attend<64>(qf.data(), kc, vc, table, len, bs, row, hd, scale, scores.data(), of.data());
             else if (hd == 128) attend<128>(qf.data(), kc, vc, table, len, bs, row, hd, scale, scores.data(), of.data());
@@ -122,14 +124,18 @@ static void paged_decode(const T* q, const T* k, const T* v, T* k_cache, T* v_ca
 }
 
 extern "C" {
-void paged_decode_f32(const float* q, const float* k, const float* v, float* k_cache, float* v_cache,
-                      const int64_t* slots, const int64_t* tables, int64_t width, const int64_t* seq_lens, int64_t B,
-                      int64_t nh, int64_t n_kv, int64_t hd, int64_t bs, float scale, float* out, int threads) {
-    paged_decode(q, k, v, k_cache, v_cache, slots, tables, width, seq_lens, B, nh, n_kv, hd, bs, scale, out, threads);
+void paged_decode_f32(const float* q, const float* k, const float* v, int64_t q_stride, int64_t kv_stride,
+                      float* k_cache, float* v_cache, const int64_t* slots, const int64_t* tables, int64_t width,
+                      const int64_t* seq_lens, int64_t B, int64_t nh, int64_t n_kv, int64_t hd, int64_t bs,
+                      float scale, float* out, int threads) {
+    paged_decode(q, k, v, q_stride, kv_stride, k_cache, v_cache, slots, tables, width, seq_lens, B, nh, n_kv, hd, bs,
+                 scale, out, threads);
 }
-void paged_decode_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* k_cache, bf16* v_cache,
-                       const int64_t* slots, const int64_t* tables, int64_t width, const int64_t* seq_lens, int64_t B,
-                       int64_t nh, int64_t n_kv, int64_t hd, int64_t bs, float scale, bf16* out, int threads) {
-    paged_decode(q, k, v, k_cache, v_cache, slots, tables, width, seq_lens, B, nh, n_kv, hd, bs, scale, out, threads);
+void paged_decode_bf16(const bf16* q, const bf16* k, const bf16* v, int64_t q_stride, int64_t kv_stride,
+                       bf16* k_cache, bf16* v_cache, const int64_t* slots, const int64_t* tables, int64_t width,
+                       const int64_t* seq_lens, int64_t B, int64_t nh, int64_t n_kv, int64_t hd, int64_t bs,
+                       float scale, bf16* out, int threads) {
+    paged_decode(q, k, v, q_stride, kv_stride, k_cache, v_cache, slots, tables, width, seq_lens, B, nh, n_kv, hd, bs,
+                 scale, out, threads);
 }
 }

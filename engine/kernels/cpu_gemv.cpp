@@ -151,34 +151,39 @@ static void gemv(const float* x, int64_t m, const T* w, const T* bias, T* y, int
     for (int64_t r = blocks * step; r < n; r++) rows<T, 1>(x, m, w, bias, y, n, k, r);
 }
 
-// y = the GEMV of x's rows, with a decode layer's neighbouring ops folded in to save their dispatch: the input
-// RMS-normalised by norm_w first, or (silu) x is [m, 2k] = [gate | up] and the input silu(gate) * up; then
-// residual [m, n] added. bf16 rounds after each op where the model's torch path does (see cpu_math.h).
+// One row of a fused call's input in fp32: x itself, RMS-normalised by norm_w, or (silu) silu(gate) * up of
+// x = [gate | up], each op rounded as the model's torch path rounds for T (see cpu_math.h)
+template <typename T>
+static void input_row(const T* x, int64_t k, const T* norm_w, float eps, int silu, float* out) {
+    if (norm_w != nullptr) norm_row(x, norm_w, eps, out, k);
+    else if (silu) silu_row(x, x + k, out, k);
+    else for (int64_t i = 0; i < k; i++) out[i] = widen(x[i]);
+}
+
+// A row in the bf16 block's lane order: per chunk, the even-indexed values, then the odd; the tail as is
+static void to_lanes(const float* row, int64_t k, float* dst) {
+    const int64_t chunks = k / CHUNK * CHUNK, half = CHUNK / 2;
+    for (int64_t i = 0; i < chunks; i += CHUNK)
+        for (int j = 0; j < half; j++) dst[i + j] = row[i + 2 * j], dst[i + half + j] = row[i + 2 * j + 1];
+    for (int64_t t = chunks; t < k; t++) dst[t] = row[t];
+}
+
+// y = the GEMV of x's rows with a decode layer's neighbouring ops folded in, to save their dispatch: the input
+// made by input_row (x is [m, 2k] for silu), then residual [m, n] added (rounded as T rounds).
 template <typename T>
 static void fused(const T* x, int64_t m, const T* w, const T* bias, T* y, int64_t n, int64_t k, int threads,
                   const T* norm_w, float eps, int silu, const T* residual) {
     thread_local std::vector<float> in, row;
-    const float* input = (const float*)x;
-    if (norm_w != nullptr || silu || sizeof(T) == 2) {
+    const bool bf = sizeof(T) == 2, as_is = !bf && norm_w == nullptr && !silu;    // fp32 x is its own input
+    if (!as_is) {
         in.resize(m * k);
         row.resize(k);
-        const int64_t stride = silu ? 2 * k : k, chunks = k / CHUNK * CHUNK, half = CHUNK / 2;
         for (int64_t c = 0; c < m; c++) {
-            const T* xr = x + c * stride;
-            float* out = sizeof(T) == 2 ? row.data() : in.data() + c * k;
-            if (norm_w != nullptr) norm_row(xr, norm_w, eps, out, k);
-            else if (silu) silu_row(xr, xr + k, out, k);
-            else for (int64_t i = 0; i < k; i++) out[i] = widen(xr[i]);
-            if (sizeof(T) == 2) {         // the bf16 block's lane order: per chunk, the even then the odd; the tail as is
-                float* dst = in.data() + c * k;
-                for (int64_t i = 0; i < chunks; i += CHUNK)
-                    for (int j = 0; j < half; j++) dst[i + j] = out[i + 2 * j], dst[i + half + j] = out[i + 2 * j + 1];
-                for (int64_t t = chunks; t < k; t++) dst[t] = out[t];
-            }
+            input_row(x + c * (silu ? 2 * k : k), k, norm_w, eps, silu, bf ? row.data() : in.data() + c * k);
+            if (bf) to_lanes(row.data(), k, in.data() + c * k);
         }
-        input = in.data();
     }
-    gemv(input, m, w, bias, y, n, k, threads);
+    gemv(as_is ? (const float*)x : in.data(), m, w, bias, y, n, k, threads);
     if (residual != nullptr)
         for (int64_t i = 0; i < m * n; i++) store(y + i, widen(y[i]) + widen(residual[i]));
 }

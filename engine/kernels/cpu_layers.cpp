@@ -3,8 +3,6 @@
 // residual), with no Python between them. The kernels are the ones the per-call path uses (cpu_gemv, cpu_pointwise,
 // cpu_attention), so both paths compute the same thing.
 #include <stdint.h>
-#include <string.h>
-
 #include <vector>
 
 #include "cpu_math.h"
@@ -16,10 +14,12 @@ void gemv_fused_bf16(const bf16*, int64_t, const bf16*, const bf16*, bf16*, int6
                      int, const bf16*);
 void rope_f32(float*, const float*, const float*, int64_t, int64_t, int64_t, int64_t);
 void rope_bf16(bf16*, const bf16*, const bf16*, int64_t, int64_t, int64_t, int64_t);
-void paged_decode_f32(const float*, const float*, const float*, float*, float*, const int64_t*, const int64_t*, int64_t,
-                      const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float, float*, int);
-void paged_decode_bf16(const bf16*, const bf16*, const bf16*, bf16*, bf16*, const int64_t*, const int64_t*, int64_t,
-                       const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float, bf16*, int);
+void paged_decode_f32(const float*, const float*, const float*, int64_t, int64_t, float*, float*, const int64_t*,
+                      const int64_t*, int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                      float*, int);
+void paged_decode_bf16(const bf16*, const bf16*, const bf16*, int64_t, int64_t, bf16*, bf16*, const int64_t*,
+                       const int64_t*, int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                       bf16*, int);
 }
 
 static void fused(const float* x, int64_t m, const float* w, const float* b, float* y, int64_t n, int64_t k, int t,
@@ -36,15 +36,18 @@ static void rope(float* x, const float* c, const float* s, int64_t t, int64_t h,
 static void rope(bf16* x, const bf16* c, const bf16* s, int64_t t, int64_t h, int64_t st, int64_t hd) {
     rope_bf16(x, c, s, t, h, st, hd);
 }
-static void attend(const float* q, const float* k, const float* v, float* kc, float* vc, const int64_t* slots,
+// q, k and v: slices of each row of qkv, `stride` apart
+static void attend(const float* qkv, int64_t stride, float* kc, float* vc, const int64_t* slots,
                    const int64_t* tables, int64_t width, const int64_t* lens, int64_t m, int64_t nh, int64_t nkv,
                    int64_t hd, int64_t bs, float scale, float* out, int t) {
-    paged_decode_f32(q, k, v, kc, vc, slots, tables, width, lens, m, nh, nkv, hd, bs, scale, out, t);
+    paged_decode_f32(qkv, qkv + nh * hd, qkv + (nh + nkv) * hd, stride, stride, kc, vc, slots, tables, width, lens,
+                     m, nh, nkv, hd, bs, scale, out, t);
 }
-static void attend(const bf16* q, const bf16* k, const bf16* v, bf16* kc, bf16* vc, const int64_t* slots,
+static void attend(const bf16* qkv, int64_t stride, bf16* kc, bf16* vc, const int64_t* slots,
                    const int64_t* tables, int64_t width, const int64_t* lens, int64_t m, int64_t nh, int64_t nkv,
                    int64_t hd, int64_t bs, float scale, bf16* out, int t) {
-    paged_decode_bf16(q, k, v, kc, vc, slots, tables, width, lens, m, nh, nkv, hd, bs, scale, out, t);
+    paged_decode_bf16(qkv, qkv + nh * hd, qkv + (nh + nkv) * hd, stride, stride, kc, vc, slots, tables, width, lens,
+                      m, nh, nkv, hd, bs, scale, out, t);
 }
 
 // One layer's weights, each of the model's dtype (qkv_b the QKV bias)
@@ -64,21 +67,16 @@ static void run(const Weights* layers, const Dims* d, T* x, int64_t m, const T* 
                 T* v_cache, const int64_t* slots, const int64_t* tables, int64_t width, const int64_t* lens,
                 int threads) {
     const int64_t hd = d->head_dim, q_n = d->heads * hd, kv_n = d->kv_heads * hd, qkv_n = q_n + 2 * kv_n;
-    thread_local std::vector<T> qkv, q, k, v, att, mid, gate_up;
-    qkv.resize(m * qkv_n), q.resize(m * q_n), k.resize(m * kv_n), v.resize(m * kv_n), att.resize(m * q_n);
+    thread_local std::vector<T> qkv, att, mid, gate_up;
+    qkv.resize(m * qkv_n), att.resize(m * q_n);
     mid.resize(m * d->hidden), gate_up.resize(m * 2 * d->intermediate);
     for (int64_t l = 0; l < d->layers; l++) {
         const Weights& w = layers[l];
         fused(x, m, (const T*)w.qkv_w, (const T*)w.qkv_b, qkv.data(), qkv_n, d->hidden, threads,
               (const T*)w.input_norm, d->eps, 0, (const T*)nullptr);
         rope(qkv.data(), cos, ssin, m, d->heads + d->kv_heads, qkv_n, hd);
-        for (int64_t r = 0; r < m; r++) {      // the attention kernel takes q, k and v each contiguous
-            memcpy(q.data() + r * q_n, qkv.data() + r * qkv_n, q_n * sizeof(T));
-            memcpy(k.data() + r * kv_n, qkv.data() + r * qkv_n + q_n, kv_n * sizeof(T));
-            memcpy(v.data() + r * kv_n, qkv.data() + r * qkv_n + q_n + kv_n, kv_n * sizeof(T));
-        }
-        attend(q.data(), k.data(), v.data(), k_cache + l * d->cache_layer, v_cache + l * d->cache_layer, slots,
-               tables, width, lens, m, d->heads, d->kv_heads, hd, d->block_size, d->scale, att.data(), threads);
+        attend(qkv.data(), qkv_n, k_cache + l * d->cache_layer, v_cache + l * d->cache_layer, slots, tables, width,
+               lens, m, d->heads, d->kv_heads, hd, d->block_size, d->scale, att.data(), threads);
         fused(att.data(), m, (const T*)w.o_w, (const T*)nullptr, mid.data(), d->hidden, q_n, threads,
               (const T*)nullptr, 0.f, 0, x);
         fused(mid.data(), m, (const T*)w.gate_up_w, (const T*)nullptr, gate_up.data(), 2 * d->intermediate,

@@ -39,7 +39,8 @@ class Dims(ctypes.Structure):
 
 class CpuLayers:
     """`stack(x, rope, paged)`: x [m, hidden] through every layer of `layers` (Qwen2's Layer modules), KV written
-    and attended through `paged`; returns the result in x's storage."""
+    and attended through `paged`; returns the result in x's storage. It holds the weights' addresses: the model
+    that owns them holds it (Qwen2.stack)."""
     max_rows = MAX_ROWS
 
     def __init__(self, lib: ctypes.CDLL, threads: int, layers, eps: float) -> None:
@@ -50,7 +51,6 @@ class CpuLayers:
             layer.qkv.weight.data_ptr(), layer.qkv.bias.data_ptr(), layer.o_proj.weight.data_ptr(),
             layer.gate_up.weight.data_ptr(), layer.down.weight.data_ptr(), layer.input_norm.weight.data_ptr(),
             layer.post_norm.weight.data_ptr()) for layer in layers))
-        self.keep = [p for layer in layers for p in layer.parameters()]    # the pointers above stay valid
         self.dims = Dims(len(layers), first.o_proj.weight.shape[0], first.n_heads, first.n_kv, first.head_dim,
                          first.down.weight.shape[1], 0, 0, eps, 0.0)
         self.threads = threads
