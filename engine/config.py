@@ -45,6 +45,9 @@ class EngineConfig:
     attention: str = option("auto", "torch runner's KV ops; auto: triton on CUDA, cpu for fp32 and bf16 on a CPU "
                             "that builds it, else reference", ("auto", "triton", "reference", "cpu"))
     compile: bool = option(False, "torch runner, paged: torch.compile the decode step (each new shape compiles once)")
+    cuda_graphs: str = option("auto", "torch runner, paged: decode replays CUDA graphs captured per batch-size bucket "
+                              "(auto: on CUDA unless compile; true on a CPU runs the same fixed-shape step uncaptured)",
+                              ("auto", "true", "false"))
     engine_process: bool = option(True, "front ends: run the step loop in a child process (false: a thread)")
     restart_limit: int = option(5, "engine process deaths within restart_window that end its restarts (then the "
                                 "front end reports not ready)", low=1)
@@ -56,6 +59,9 @@ class EngineConfig:
         validate(self)
         if self.compile and self.runner != "torch":
             raise ValueError(f"compile: only the torch runner compiles, got runner {self.runner!r}")
+        if self.cuda_graphs == "true" and (self.runner != "torch" or not self.paged):
+            raise ValueError("cuda_graphs: true needs the torch runner and paged KV "
+                             f"(runner {self.runner!r}, kv_storage {self.kv_storage!r})")
 
     @property
     def paged(self) -> bool:

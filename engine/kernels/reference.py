@@ -44,14 +44,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, max_len: int | None = None) -> torch.Tensor:
     """One query token per sequence, q [B, nh, hd], over its block table [B, max_blocks]; returns [B, nh, hd]."""
-    b, bs = q.shape[0], k_cache.shape[1]
+    bs = k_cache.shape[1]
     max_len = int(seq_lens.max()) if max_len is None else max_len
     n = -(-max_len // bs)
     k = k_cache[block_tables[:, :n]].flatten(1, 2)[:, :max_len]        # [B, L, n_kv, hd]
     v = v_cache[block_tables[:, :n]].flatten(1, 2)[:, :max_len]
-    mask = None
-    if b > 1:
-        mask = (torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None])[:, None, None, :]
+    # masked even for one row: `max_len` may be a bound above its length (a graph's fixed width)
+    mask = (torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None])[:, None, None, :]
     out = F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                          scale=scale, enable_gqa=q.shape[1] != k.shape[2])
     return out[:, :, 0]

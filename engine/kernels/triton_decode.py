@@ -1,9 +1,11 @@
 """Paged decode attention in Triton: one query token per sequence over its block table, no gathered copy.
 
-Grid (sequence, KV head, split). A program loads each K/V block of its split once for all the query heads of its
-KV group (GQA), keeps a running max and sum (online softmax) in fp32, and writes its partial output and
-log-sum-exp. A second kernel merges the splits of each head by their log-sum-exp. Splitting the context keeps a
-GPU busy when there are few sequences and long contexts.
+Grid (sequence, KV head, split). Each sequence's blocks are cut into `splits` equal runs, sized from its own
+length on the device, so the grid depends only on the batch and the split count: a captured CUDA graph replays
+it at any lengths. A program loads each K/V block of its run once for all the query heads of its KV group (GQA),
+keeps a running max and sum (online softmax) in fp32, and writes its partial output and log-sum-exp; a run past
+the sequence's end is empty. A second kernel merges the splits of each head by their log-sum-exp. Splitting the
+context keeps a GPU busy when there are few sequences and long contexts.
 Same signature as engine.kernels.reference.paged_decode_attention.
 """
 from __future__ import annotations
@@ -19,8 +21,8 @@ PROGRAMS = 128      # aim for at least this many programs (about one per SM) bef
 def _partial(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, scale,
              stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_tb,
              stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-             GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-             BLOCK_SIZE: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, PRECISION: tl.constexpr):
+             splits, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+             BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr):
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
     g, d, n = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_SIZE)
@@ -31,8 +33,10 @@ def _partial(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, scale,
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    first = split * SPLIT_BLOCKS
-    last = tl.minimum(first + SPLIT_BLOCKS, tl.cdiv(seq_len, BLOCK_SIZE))
+    seq_blocks = tl.cdiv(seq_len, BLOCK_SIZE)
+    run = tl.cdiv(seq_blocks, splits)
+    first = split * run
+    last = tl.minimum(first + run, seq_blocks)
     for j in range(first, last):
         block = tl.load(tables_ptr + b * stride_tb + j).to(tl.int64)
         valid = j * BLOCK_SIZE + n < seq_len
@@ -71,25 +75,24 @@ def _merge(part_ptr, lse_ptr, out_ptr, splits, stride_pb, stride_ph, stride_ps, 
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def split_blocks_for(batch: int, kv_heads: int, blocks: int) -> int:
-    """KV blocks per split: enough splits to occupy ~PROGRAMS programs, never more splits than blocks."""
-    splits = min(blocks, max(1, triton.cdiv(PROGRAMS, batch * kv_heads)))
-    return triton.cdiv(blocks, splits)
+def splits_for(batch: int, kv_heads: int, blocks: int) -> int:
+    """Splits of each sequence: enough to occupy ~PROGRAMS programs, never more than the longest has blocks."""
+    return min(blocks, max(1, triton.cdiv(PROGRAMS, batch * kv_heads)))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, max_len: int | None = None,
                            split_blocks: int | None = None) -> torch.Tensor:
     """q [B, nh, hd]; caches [num_blocks, block_size, n_kv, hd]; block_tables [B, max_blocks]; seq_lens [B].
-    `max_len` (the largest seq_len, known on the host) avoids a device sync; `split_blocks` overrides the split."""
+    `max_len` (the largest seq_len, known on the host, or a bound of it) avoids a device sync; `split_blocks` sets
+    the split count to what cuts the longest sequence into runs of that many blocks."""
     b, nh, hd = q.shape
     _, bs, nkv, _ = k_cache.shape
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("paged_decode_attention: the head dimension must be contiguous")
     max_len = int(seq_lens.max()) if max_len is None else max_len
     blocks = triton.cdiv(max_len, bs)
-    split_blocks = split_blocks or split_blocks_for(b, nkv, blocks)
-    splits = triton.cdiv(blocks, split_blocks)
+    splits = triton.cdiv(blocks, split_blocks) if split_blocks else splits_for(b, nkv, blocks)
     part = torch.empty((b, nh, splits, hd), dtype=torch.float32, device=q.device)
     lse = torch.empty((b, nh, splits), dtype=torch.float32, device=q.device)
     group = nh // nkv
@@ -97,9 +100,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _partial[(b, nkv, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part, lse, scale,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
-        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), splits,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=hd, BLOCK_D=block_d,
-        BLOCK_SIZE=bs, SPLIT_BLOCKS=split_blocks, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        BLOCK_SIZE=bs, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     out = torch.empty_like(q)
     _merge[(b, nh)](part, lse, out, splits, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
                     lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=hd, BLOCK_D=block_d,

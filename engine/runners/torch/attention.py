@@ -7,19 +7,19 @@ from engine.kernels import CALLS, KernelOps
 from engine.kernels import reference as ref
 from engine.kernels.cpu_layers import Paged
 from engine.runners.base import Row, spans
+from engine.runners.torch.host import upload
 
 
 def paged(ops: KernelOps, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: list[Row], scale: float,
           device: torch.device):
     """k_cache/v_cache [layers, num_blocks, block_size, n_kv, hd]; `ops` are the reference ops or the kernels."""
     CALLS[ops.name] += 1
-    slots = torch.tensor([s for r in rows for s in r.slots], dtype=torch.long, device=device)
+    slots = upload([s for r in rows for s in r.slots], device)
     if all(r.length == 1 for r in rows):
         width = max(len(r.block_table) for r in rows)
-        tables = torch.tensor([r.block_table + [0] * (width - len(r.block_table)) for r in rows],
-                              dtype=torch.long, device=device)
+        tables = upload([r.block_table + [0] * (width - len(r.block_table)) for r in rows], device)
         lens = [r.start + 1 for r in rows]
-        seq_lens = torch.tensor(lens, dtype=torch.long, device=device)
+        seq_lens = upload(lens, device)
         max_len = max(lens)
 
         if ops.decode_step is not None:
@@ -34,7 +34,7 @@ def paged(ops: KernelOps, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: li
         return decode
 
     parts = spans(rows)
-    tables = [torch.tensor(r.block_table, dtype=torch.long, device=device) for r in rows]
+    tables = [upload(r.block_table, device) for r in rows]
 
     def prefill(layer: int, q, k, v):
         ops.write_kv(k_cache[layer], v_cache[layer], slots, k, v)

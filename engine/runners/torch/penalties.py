@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from engine.runners.base import Row
+from engine.runners.torch.host import upload
 
 
 class Penalties:
@@ -31,7 +32,7 @@ class Penalties:
         for i, r in enumerate(rows):
             if r.params is not None and r.params.logit_bias:
                 ids, bias = zip(*r.params.logit_bias.items())
-                logits[i, list(ids)] += torch.tensor(bias, dtype=logits.dtype, device=self.device)
+                logits[i, upload(ids, self.device)] += upload(bias, self.device, logits.dtype)
         picked = [i for i, r in enumerate(rows) if r.params is not None and r.params.penalized]
         if not picked:
             return
@@ -40,7 +41,7 @@ class Penalties:
         seen = counts > 0
         column = [[rows[i].params.repetition_penalty, rows[i].params.frequency_penalty,
                    rows[i].params.presence_penalty] for i in picked]
-        rep, freq, pres = torch.tensor(column, dtype=logits.dtype, device=self.device).T[:, :, None]
+        rep, freq, pres = upload(column, self.device, logits.dtype).T[:, :, None]
         x = torch.where(seen | self.in_prompt[slots], torch.where(x > 0, x / rep, x * rep), x)
         logits[picked] = x - freq * counts - pres * seen.to(logits.dtype)
 
@@ -50,7 +51,7 @@ class Penalties:
             self.free.append(slot)
 
     def _slots(self, rows: list[Row]) -> torch.Tensor:
-        return torch.tensor([self._slot(r) for r in rows], dtype=torch.long, device=self.device)
+        return upload([self._slot(r) for r in rows], self.device)
 
     def _slot(self, row: Row) -> int:
         slot = self.slots.get(row.seq)

@@ -15,6 +15,8 @@ from engine.runners.base import Geometry, Row, Sampled, flatten, in_order, logpr
 from engine.runners.torch import attention as torch_attention
 from engine.runners.torch import grammar, logprobs
 from engine.runners.torch.compiled import CompiledDecode
+from engine.runners.torch.graphs import GraphDecode, plain
+from engine.runners.torch.host import upload
 from engine.runners.torch.logprobs import DeviceLogprobs
 from engine.runners.torch.penalties import Penalties
 from engine.runners.torch.sampler import sample
@@ -27,6 +29,7 @@ class Step:
     rows: list[Row]
     logits: torch.Tensor | None       # of the rows that sample, until `sample` has used them
     picked: list[int] | None          # which rows those are (None: every row, one token each)
+    greedy: torch.Tensor | None = None       # a graph step's argmax, the sample of its plain greedy rows
     tokens: torch.Tensor | None = None       # [rows] int64 on the device; -1 where a row did not sample
     logprobs: DeviceLogprobs | None = None   # of the rows that asked
     host: torch.Tensor | None = None  # pinned copy of tokens (CUDA); logprobs are then pinned copies too
@@ -36,7 +39,8 @@ class Step:
 
 class TorchRunner:
     def __init__(self, model_dir: str | Path, dtype: str = "auto", device: str = "auto", num_threads: int = 0,
-                 attention: str = "auto", compile: bool = False) -> None:
+                 attention: str = "auto", compile: bool = False, cuda_graphs: str = "false",
+                 max_batch_size: int = 4) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
         if device == "auto":
@@ -72,14 +76,24 @@ class TorchRunner:
         if compile and fused:
             log.info("compile: decode runs the fused CPU kernels, which outrun the compiled graph; not compiling")
         self.compile = compile and not fused
+        # auto: captured graphs on CUDA (unless compiled); true elsewhere runs the same fixed-shape step uncaptured
+        self.use_graphs = cuda_graphs == "true" or (cuda_graphs == "auto" and self.device.type == "cuda"
+                                                    and not self.compile)
+        self.max_batch_size = max_batch_size
+        self.graphs: GraphDecode | None = None
+        self.graph_step: Step | None = None   # the step whose outputs are the graphs' buffers now
 
     def init_paged(self, num_blocks: int, block_size: int) -> None:
         self.paged = True
-        shape = (self.layers, num_blocks, block_size, *self.kv_shape)
+        shape = (self.layers, num_blocks + self.use_graphs, block_size, *self.kv_shape)    # + the graphs' scratch
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         if self.compile:
             self.compiled = CompiledDecode(self.model, self.k_cache, self.v_cache, self.scale, self.gemv)
+        if self.use_graphs:
+            width = min(num_blocks, -(-self.max_model_len // block_size))
+            self.graphs = GraphDecode(self.model, self.ops, self.k_cache, self.v_cache, self.scale,
+                                      self.max_batch_size, width, num_blocks, self.device.type == "cuda")
 
     def dense_alloc(self, capacity: int) -> int:
         buf, self.next_buf = self.next_buf, self.next_buf + 1
@@ -125,20 +139,27 @@ class TorchRunner:
         if in_order(chained, len(ids)):
             ids_t = prev.tokens[:len(ids)]
         else:
-            ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
+            ids_t = upload(ids, dev)
             if chained:
                 dst, src = zip(*chained)
-                ids_t[list(dst)] = prev.tokens[list(src)]
+                ids_t[upload(dst, dev)] = prev.tokens[upload(src, dev)]
         self.tokens_computed += len(ids)
         self.penalties.count(rows, ids_t, last)
         decode = len(ids) == len(rows) and all(r.sample for r in rows)     # one token per row, every row samples
         if decode and self.compiled is not None:
             return Step(rows, self.compiled(ids_t, rows), None)
+        if decode and self.graphs is not None and len(rows) <= self.graphs.size:
+            last = self.graph_step
+            if last is not None and last.logits is not None:      # not sampled yet: keep its logits from the replay
+                last.logits, last.greedy = last.logits.clone(), last.greedy.clone()
+            logits, greedy = self.graphs.run(rows, ids_t)
+            self.graph_step = Step(rows, logits, None, greedy)
+            return self.graph_step
         if self.paged:
             attn = torch_attention.paged(self.ops, self.k_cache, self.v_cache, rows, self.scale, dev)
         else:
             attn = torch_attention.dense(self.dense, rows, self.scale)
-        hidden = self.model(ids_t, torch.tensor(positions, dtype=torch.long, device=dev), attn)
+        hidden = self.model(ids_t, upload(positions, dev), attn)
         if decode:
             return Step(rows, self.model.logits(hidden), None)
         picked = [i for i, r in enumerate(rows) if r.sample]
@@ -154,7 +175,10 @@ class TorchRunner:
     @torch.inference_mode()
     def sample(self, step: Step) -> None:
         logits, step.logits = step.logits, None
-        if step.picked is None:
+        greedy, step.greedy = step.greedy, None
+        if greedy is not None and all(plain(r) for r in step.rows):
+            step.tokens = greedy.clone()          # the graph's buffer is overwritten by the next step
+        elif step.picked is None:
             step.tokens, step.logprobs = self._sample(logits, step.rows)
         else:
             step.tokens = torch.full((len(step.rows),), -1, dtype=torch.long, device=self.device)
