@@ -59,6 +59,8 @@ class EngineConfig:
         validate(self)
         if self.compile and self.runner != "torch":
             raise ValueError(f"compile: only the torch runner compiles, got runner {self.runner!r}")
+        if self.cuda_graphs == "true" and self.compile:
+            raise ValueError("cuda_graphs: true and compile: true both replace the eager decode step; pick one")
         if self.cuda_graphs == "true" and (self.runner != "torch" or not self.paged):
             raise ValueError("cuda_graphs: true needs the torch runner and paged KV "
                              f"(runner {self.runner!r}, kv_storage {self.kv_storage!r})")

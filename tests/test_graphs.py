@@ -115,6 +115,8 @@ def test_cuda_graphs_option():
         EngineConfig(cuda_graphs="true", kv_storage="dense")
     with pytest.raises(ValueError, match="cuda_graphs"):
         EngineConfig(cuda_graphs="sometimes")
+    with pytest.raises(ValueError, match="cuda_graphs: true and compile"):
+        EngineConfig(cuda_graphs="true", compile=True)
     assert EngineConfig().cuda_graphs == "auto"
 
 
