@@ -24,6 +24,8 @@ def option(default: Any, help: str, choices: tuple[str, ...] = (), low: int | No
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = option(None, "Hugging Face Qwen2 directory (default: the embedded small model)")
+    served_model_name: str | None = option(None, "the model's name in the API and the metrics' model_name label "
+                                           "(default: the model directory's)")
     runner: str = option("torch", "model runner", ("torch", "mlx"))
     device: str = option("auto", "torch device", ("auto", "cpu", "cuda"))
     dtype: str = option("auto", "weights and KV dtype; auto follows the checkpoint",
@@ -72,6 +74,13 @@ class EngineConfig:
         return self.kv_storage == "paged"
 
     @property
+    def model_name(self) -> str:
+        """The served name: served_model_name, else the model directory's name."""
+        if self.served_model_name:
+            return self.served_model_name
+        return os.path.basename(os.path.normpath(self.model)) if self.model else "small"
+
+    @property
     def use_lookahead(self) -> bool:
         return self.lookahead and not force_sync()
 
@@ -96,7 +105,6 @@ class ServeConfig:
     host: str = option("127.0.0.1", "address to bind")
     port: int = option(8080, "port to bind", low=0)
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on /v1/*")
-    served_model_name: str | None = option(None, "the model's name in the API (default: the model directory's)")
     max_body_bytes: int = option(8 << 20, "refuse larger request bodies with 413", low=1)
 
     def __post_init__(self) -> None:

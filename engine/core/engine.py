@@ -40,7 +40,7 @@ class Engine:
         self.runner = runner = runner or make_runner(config, config.model)     # first: it names a bad model dir
         self.tokenizer = Tokenizer(config.model)
         self.max_model_len = min(config.max_model_len or runner.max_model_len, runner.max_model_len)
-        self.metrics = Metrics()
+        self.metrics = Metrics(config.model_name)
         self.recorder = Recorder(self.metrics, config.prompt_cache)
         self.output = Output(runner.eos_token_ids, self.max_model_len, self.tokenizer)
         self.pool: BlockPool | None = None
@@ -199,6 +199,7 @@ class Engine:
             else:
                 self.scheduler.preempt()
                 self.metrics.preemptions.inc()
+                self.metrics.vllm.preemptions.inc()
 
     def _decode_row(self, req: Request, prev: int) -> Row:
         p = req.num_allocated

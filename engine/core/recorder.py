@@ -20,24 +20,31 @@ class Recorder:
         """A request's first admission: its prompt and what it adopted from the prompt cache."""
         if req.num_cached >= 0:
             return                              # readmitted after a preemption: counted already
-        m = self.metrics
+        m, v = self.metrics, self.metrics.vllm
         req.num_cached = req.num_computed
         m.prompt_tokens.inc(len(req.prompt_ids))
+        v.prompt_tokens.inc(len(req.prompt_ids))
         if self.prompt_cache:
             m.cache_queries.inc()
+            v.cache_queries.inc(len(req.prompt_ids))          # vLLM counts both in tokens
+            v.cache_hits.inc(req.num_cached)
             if req.num_cached:
                 m.cache_hits.inc()
                 m.cached_tokens.inc(req.num_cached)
 
     def token(self, req: Request) -> None:
         """A token is about to be appended to the request."""
-        now = time.monotonic()
+        now, m = time.monotonic(), self.metrics
         if not req.output_ids:
             req.first_token_at = now
             if req.group is None or not any(s.output_ids for s in req.group):     # a request's first token
-                self.metrics.observe("pagoda_time_to_first_token_seconds", now - req.arrival)
+                m.observe("pagoda_time_to_first_token_seconds", now - req.arrival)
+                m.observe("vllm:time_to_first_token_seconds", now - req.arrival)
+        else:
+            m.observe("vllm:inter_token_latency_seconds", now - req.last_token_at)
         req.last_token_at = now
-        self.metrics.generation_tokens.inc()
+        m.generation_tokens.inc()
+        m.vllm.generation_tokens.inc()
 
     def decode_tick(self, batch: list[Request], cpu: float, pipelined: int) -> None:
         """A decode tick that launched a step for `batch` (`pipelined`: 1 if it launched with a step in flight)
@@ -66,7 +73,9 @@ class Recorder:
         if not all(s.finished or s is req for s in seqs):
             return
         m.requests.labels(status=STATUS[reason]).inc()
+        m.vllm.success[reason].inc()
         m.observe("pagoda_e2e_request_latency_seconds", now - req.arrival)
+        m.observe("vllm:e2e_request_latency_seconds", now - req.arrival)
         first = min((s.first_token_at for s in seqs if s.first_token_at), default=0.0)
         ttft = (first - req.arrival) * 1000 if first else 0.0
         width = f" n={len(seqs)}" if req.group else ""
@@ -80,3 +89,7 @@ class Recorder:
             m.kv_blocks.labels(state=state).set(n)
         m.batch_size.set(running)
         m.queue_depth.set(waiting)
+        total = sum(kv.values())
+        m.vllm.kv_usage.set(kv.get("used", 0) / total if total else 0.0)
+        m.vllm.running.set(running)
+        m.vllm.waiting.set(waiting)

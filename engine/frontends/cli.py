@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 
@@ -54,7 +53,7 @@ def serve(config: EngineConfig, options: ServeConfig) -> int:
     from engine.frontends.openai.body_limit import BodyLimit
     from engine.serving.client import make_client
     engine = make_client(config)
-    name = options.served_model_name or os.path.basename(os.path.normpath(engine.config.model))
+    name = engine.config.model_name
     app = BodyLimit(create_app(engine, name, options.api_key), options.max_body_bytes)
     logging.getLogger("pagoda").info("serving %s on http://%s:%d", name, options.host, options.port)
     try:

@@ -14,6 +14,13 @@ disable_created_metrics()      # no *_created series: they are noise on every sc
 
 LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so its dashboards' quantiles read the same
+VLLM_TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+             80.0, 160.0, 640.0, 2560.0)
+VLLM_ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+VLLM_E2E = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+            960.0, 1920.0, 7680.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")       # vLLM's FinishReason values
 
 
 class Metrics:
@@ -23,7 +30,7 @@ class Metrics:
     STATUSES = ("completed", "cancelled", "error")
     KV_STATES = ("free", "used", "cached")
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "pagoda") -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("pagoda_requests", "Requests ended, by status", ["status"], registry=r)
         for status in self.STATUSES:
@@ -70,9 +77,12 @@ class Metrics:
             "pagoda_e2e_request_latency_seconds": Histogram(
                 "pagoda_e2e_request_latency_seconds", "Request latency", buckets=LATENCY, registry=r),
         }
+        self.histogram_labels: dict[str, dict[str, str]] = {}
+        self.vllm = VllmSeries(self, model_name)
         self.observations: deque[tuple[str, float]] = deque(maxlen=100_000)   # for mirrors to replay
         self.seen: dict[tuple[str, tuple], float] = {}      # apply: the other registry's counters, last snapshot
         self.families = {m.describe()[0].name: m for m in vars(self).values() if isinstance(m, (Counter, Gauge))}
+        self.families |= self.vllm.families
 
     def restarted(self) -> None:
         """The other registry (a new engine process) starts from 0: count its gains from there."""
@@ -147,7 +157,7 @@ class Mirror:
             self.families[name] = family(name=name, description=fam.documentation, kind=kinds[fam.type])
         metrics.observations.clear()
         for name in metrics.histograms:              # empty histograms export from the start too
-            self._metric(name, {})
+            self._metric(name, metrics.histogram_labels.get(name, {}))
 
     def _metric(self, name: str, labels: dict[str, str]) -> Any:
         key = (name, tuple(sorted(labels.items())))
@@ -170,4 +180,49 @@ class Mirror:
                     self._metric(s.name, s.labels).set(s.value)
         while self.metrics.observations:
             name, value = self.metrics.observations.popleft()
-            self._metric(name, {}).observe(value)
+            self._metric(name, self.metrics.histogram_labels.get(name, {})).observe(value)
+
+
+class VllmSeries:
+    """The vLLM names that routers, autoscalers and vLLM's Grafana dashboard read, beside the pagoda_* series, with
+    vLLM's labels (model_name, engine) and semantics (its metrics design doc, vllm/v1/metrics/loggers.py): prefix
+    cache queries and hits count tokens, KV usage is the fraction of blocks held by running requests (cached
+    blocks no request holds count as free, as vLLM's evictable blocks do), inter-token latency is observed per
+    token."""
+
+    def __init__(self, metrics: Metrics, model_name: str) -> None:
+        self.labels = {"model_name": model_name, "engine": "0"}
+        self.families: dict[str, Counter | Gauge] = {}
+        self.running = self._family(Gauge, "vllm:num_requests_running", "Number of requests in model execution "
+                                    "batches.", metrics)
+        self.waiting = self._family(Gauge, "vllm:num_requests_waiting", "Number of requests waiting to be "
+                                    "processed.", metrics)
+        self.kv_usage = self._family(Gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent "
+                                     "usage.", metrics)
+        self.cache_queries = self._family(Counter, "vllm:prefix_cache_queries", "Prefix cache queries, in terms of "
+                                          "number of queried tokens.", metrics)
+        self.cache_hits = self._family(Counter, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number "
+                                       "of cached tokens.", metrics)
+        self.prompt_tokens = self._family(Counter, "vllm:prompt_tokens", "Number of prefill tokens processed.",
+                                          metrics)
+        self.generation_tokens = self._family(Counter, "vllm:generation_tokens", "Number of generation tokens "
+                                              "processed.", metrics)
+        self.preemptions = self._family(Counter, "vllm:num_preemptions", "Cumulative number of preemption from "
+                                        "the engine.", metrics)
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          [*self.labels, "finished_reason"], registry=metrics.registry)
+        self.families["vllm:request_success"] = success
+        self.success = {reason: success.labels(**self.labels, finished_reason=reason) for reason in FINISH_REASONS}
+        for name, doc, buckets in (
+                ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", VLLM_TTFT),
+                ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", VLLM_ITL),
+                ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", VLLM_E2E)):
+            family = Histogram(name, doc, list(self.labels), buckets=buckets, registry=metrics.registry)
+            metrics.histograms[name] = family.labels(**self.labels)
+            metrics.buckets[name] = buckets
+            metrics.histogram_labels[name] = self.labels
+
+    def _family(self, cls: type, name: str, doc: str, metrics: Metrics):
+        family = cls(name, doc, list(self.labels), registry=metrics.registry)
+        self.families[name] = family
+        return family.labels(**self.labels)

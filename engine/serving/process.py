@@ -86,7 +86,7 @@ class ProcessEngine(EngineClient):
         if started.config is None:
             raise RuntimeError(f"engine process: {started.error}")
         self.config: EngineConfig = started.config
-        self.metrics = Metrics()                    # the child's, as of its last snapshot
+        self.metrics = Metrics(self.config.model_name)      # the child's, as of its last snapshot
         self.metrics.apply(first.snapshot)
         self.streams: dict[int, Push] = {}
         self.waiting: dict[int, _Pending] = {}       # submits awaiting the child's validation
