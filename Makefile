@@ -16,7 +16,7 @@ SOAK_KILLS ?= 3
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,triton,bench,server,mlx,kernels]'
+	$(PY) -m pip install -q -e '.[test,triton,bench,server,mlx,kernels,cluster]'
 	# bench-peers' mlx-lm row; without its deps, whose sentencepiece would load a second OpenMP runtime beside torch's
 	$(PY) -m pip install -q --no-deps mlx-lm==0.32.2
 	bash scripts/system_deps.sh $(PY)
