@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test serve bench soak bench-peers
+.PHONY: setup run test serve bench soak bench-peers cluster
 
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
@@ -54,3 +54,11 @@ soak: setup
 # (~25 min; the first run builds llama-cpp-python, ~7 min more). `--only SECTION` runs one section.
 bench-peers: setup
 	$(PY) -m perf.bench_peers --out perf/results
+
+# REPLICAS `engine serve` replicas of the embedded default model behind vllm-router (ROUTER_POLICY), on loopback;
+# prints the router's URL and serves until Ctrl-C.
+REPLICAS ?= 2
+ROUTER_POLICY ?= cache_aware
+ROUTER_PORT ?= 30000
+cluster: setup
+	$(PY) -m scripts.cluster --replicas $(REPLICAS) --policy $(ROUTER_POLICY) --port $(ROUTER_PORT)
