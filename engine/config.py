@@ -50,6 +50,11 @@ class EngineConfig:
     cuda_graphs: str = option("auto", "torch runner, paged: decode replays CUDA graphs captured per batch-size bucket "
                               "(auto: on CUDA unless compile; true on a CPU runs the same fixed-shape step uncaptured)",
                               ("auto", "true", "false"))
+    kv_events: bool = option(False, "publish KV cache events (vLLM's format, ZMQ PUB) for cache-aware routers; "
+                             "paged KV with the prompt cache")
+    kv_events_endpoint: str = option("tcp://*:5557", "kv_events: the PUB socket's address (a wildcard binds, "
+                                     "anything else connects)")
+    kv_events_topic: str = option("", "kv_events: the topic frame of each message")
     engine_process: bool = option(True, "front ends: run the step loop in a child process (false: a thread)")
     restart_limit: int = option(5, "engine process deaths within restart_window that end its restarts (then the "
                                 "front end reports not ready)", low=1)
@@ -61,6 +66,9 @@ class EngineConfig:
         validate(self)
         if self.compile and self.runner != "torch":
             raise ValueError(f"compile: only the torch runner compiles, got runner {self.runner!r}")
+        if self.kv_events and (not self.paged or not self.prompt_cache):
+            raise ValueError("kv_events: needs paged KV and the prompt cache "
+                             f"(kv_storage {self.kv_storage!r}, prompt_cache {self.prompt_cache})")
         if self.cuda_graphs == "true" and self.compile:
             raise ValueError("cuda_graphs: true and compile: true both replace the eager decode step; pick one")
         if self.cuda_graphs == "true" and (self.runner != "torch" or not self.paged):

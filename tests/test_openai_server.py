@@ -218,3 +218,23 @@ def test_engine_thread_behind_the_server(tiny_dir, tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_render_gives_the_prompts_token_ids_as_vllm_does(server):
+    """vLLM's /v1/completions/render (a list, one per prompt) and /v1/chat/completions/render (one): the ids the
+    server would run, nothing generated. Cache-aware routers match requests against replicas' blocks with them."""
+    ids = random_ids(30, seed=7)
+    status, out = post(server, "/v1/completions/render", {"model": "tiny0", "prompt": ids, "temperature": 0.5})
+    assert status == 200 and isinstance(out, list) and len(out) == 1
+    assert out[0]["token_ids"] == ids and out[0]["model"] == "tiny0" and out[0]["request_id"].startswith("cmpl-")
+    assert out[0]["sampling_params"]["temperature"] == 0.5
+    status, text = post(server, "/v1/completions/render", {"model": "tiny0", "prompt": "the cat sat on the mat"})
+    _, done = post(server, "/v1/completions", {"model": "tiny0", "prompt": "the cat sat on the mat", "max_tokens": 1})
+    assert status == 200 and len(text[0]["token_ids"]) == done["usage"]["prompt_tokens"]
+    messages = [{"role": "user", "content": "hello there"}]
+    status, chat = post(server, "/v1/chat/completions/render", {"model": "tiny0", "messages": messages})
+    _, answered = post(server, "/v1/chat/completions", {"model": "tiny0", "messages": messages, "max_tokens": 1})
+    assert status == 200 and isinstance(chat, dict)
+    assert len(chat["token_ids"]) == answered["usage"]["prompt_tokens"]
+    status, wrong = post(server, "/v1/completions/render", {"model": "other", "prompt": ids})
+    assert status == 404 and "model" in wrong["error"]["message"]

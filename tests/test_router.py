@@ -98,3 +98,21 @@ def test_a_killed_replica_fails_only_its_requests_in_flight(cluster):
     for i in range(4):                                           # new requests all go to the survivor
         chunks, end = stream(cluster.url, random_ids(20, seed=90 + i), 4)
         assert end == "done" and tokens(chunks) == 4, end
+
+
+def test_kv_aware_routes_a_shared_prefix_to_the_replica_that_holds_it(tmp_path):
+    """The replicas publish KV events; the router's kv_aware policy renders each request's tokens on a replica
+    (/v1/completions/render) and sends it where its prefix's blocks are. Round robin would alternate."""
+    from engine.models.presets import make_model
+    model = make_model("tiny", tmp_path / "tiny")
+    with Cluster(str(model), replicas=2, policy="kv_aware", kv_events=True,
+                 engine_flags=["--dtype", "float32", "--block-size", "16"],
+                 router_flags=["--kv-event-block-size", "16", "--kv-event-model", "pagoda"]) as c:
+        system = random_ids(96, seed=77)                  # six blocks every request shares
+        for i in range(6):
+            chunks, end = stream(c.url, system + random_ids(5, seed=200 + i), 2)
+            assert end == "done", end
+        served = [w.metric("vllm:request_success_total", finished_reason="length") for w in c.workers]
+        hits = [w.metric("vllm:prefix_cache_hits_total") for w in c.workers]
+        assert sorted(served) == [0, 6], served                       # all six on one replica
+        assert max(hits) == 5 * 96                                    # and every one after the first hit

@@ -44,6 +44,7 @@ class Engine:
         self.recorder = Recorder(self.metrics, config.prompt_cache)
         self.output = Output(runner.eos_token_ids, self.max_model_len, self.tokenizer)
         self.pool: BlockPool | None = None
+        self.kv_events, self.publisher = self._publisher()
         self.kv: KVStorage = self._storage()
         self.scheduler = Scheduler(config, self.kv)
         self.lookahead = Lookahead(runner, config.use_lookahead)
@@ -62,9 +63,26 @@ class Engine:
             return DenseKV(runner, runner.bytes_per_token, config.prompt_cache_bytes if config.prompt_cache else None)
         num_blocks = config.num_kv_blocks or self._auto_blocks()
         runner.init_paged(num_blocks, config.block_size)
-        cache = PrefixCache(config.block_size) if config.prompt_cache else None
+        cache = PrefixCache(config.block_size, self.kv_events) if config.prompt_cache else None
         self.pool = BlockPool(num_blocks, config.block_size, config.contiguous_blocks, cache)
         return PagedKV(self.pool, cache, runner.copy_block)
+
+    def _publisher(self):
+        """KV events: the prompt cache's log, and the thread that sends it. A fresh engine first says its cache
+        is empty, so a router forgets what an engine before it (a restarted process) held."""
+        if not self.config.kv_events:
+            return None, None
+        from engine.kv.events import BlockEvents
+        from engine.serving.kv_publisher import Publisher
+        c = self.config
+        events, publisher = BlockEvents(), Publisher(c.kv_events_endpoint, c.kv_events_topic, c.block_size)
+        events.cleared()
+        return events, publisher
+
+    def publish(self) -> None:
+        """Hand this step's KV events to the publisher (called at the end of each step)."""
+        if self.kv_events is not None and self.kv_events.pending:
+            self.publisher.publish(self.kv_events.drain())
 
     def _auto_blocks(self) -> int:
         per_block = self.runner.bytes_per_token * self.config.block_size
@@ -110,6 +128,7 @@ class Engine:
             raise RuntimeError(f"failpoint: injected failure in step {self.steps}")
         self._decode()
         self._gauges()
+        self.publish()
 
     def fail_all(self, message: str) -> None:
         """End every request with an error after a failed step, leaving the engine ready for new work."""

@@ -16,6 +16,8 @@ import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from engine.kv.events import BlockEvents, chain_hash
+
 
 class Key(NamedTuple):
     """One registration: the block that holds it and its number (unique over the index's life)."""
@@ -39,11 +41,13 @@ class Entry(NamedTuple):
     parent: Parent
     tokens: tuple[int, ...]
     bucket: int
+    digest: int | None            # its chain hash, when KV events are published
 
 
 class PrefixCache:
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, events: BlockEvents | None = None) -> None:
         self.block_size = block_size
+        self.events = events                        # registrations and evictions, for KV events
         self.index: dict[int, list[int]] = {}       # bucket -> blocks registered under it
         self.content: dict[int, Entry] = {}         # block -> what it holds
         self.serials = itertools.count()
@@ -73,12 +77,20 @@ class PrefixCache:
             return self.content[block].key
         h = bucket(parent, tokens)
         key = Key(block, next(self.serials))
-        self.content[block] = Entry(key, parent, tokens, h)
+        digest = None
+        if self.events is not None:
+            above = self.content.get(parent.block) if isinstance(parent, Key) else None
+            up = above.digest if above is not None and above.key == parent else None
+            digest = chain_hash(up, None if isinstance(parent, Key) else parent[1], tokens)
+            self.events.stored(digest, up, tokens)
+        self.content[block] = Entry(key, parent, tokens, h, digest)
         self.index.setdefault(h, []).append(block)
         return key
 
     def forget(self, block: int) -> None:
         entry = self.content.pop(block)
+        if self.events is not None and entry.digest is not None:
+            self.events.removed(entry.digest)
         blocks = self.index[entry.bucket]
         blocks.remove(block)
         if not blocks:

@@ -43,6 +43,11 @@ def error(status: int, message: str, param: str | None = None, kind: str = "inva
     return JSONResponse({"error": {"message": message, "type": kind, "param": param}}, status_code=status)
 
 
+# what /render echoes as the request's sampling_params
+SAMPLING_ECHO = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "min_tokens",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "n", "ignore_eos"}
+
+
 def create_app(engine: EngineClient, model_name: str, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="Pagoda")
     default_max = 16
@@ -91,6 +96,33 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
         return await serve(body, prompt, "chat.completion", chat=True)
+
+    # vLLM's render endpoints: a request's prompt as token ids, nothing generated. Cache-aware routers (the vLLM
+    # project's router for kv_aware) ask for them to match a request against the blocks replicas report.
+    @app.post("/v1/completions/render")
+    async def render_completion(body: CompletionRequest):
+        return render(body, body.prompt, "cmpl", many=True)
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat(body: ChatCompletionRequest):
+        try:
+            prompt = engine.tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
+        except ValueError as e:
+            return error(400, str(e), "messages")
+        return render(body, prompt, "chatcmpl", many=False)
+
+    def render(body, prompt, prefix: str, many: bool):
+        if body.model != model_name:
+            return error(404, f"model: {body.model!r} is not served here (serving {model_name!r})", "model",
+                         "not_found_error")
+        ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if body.truncate_prompt_tokens is not None:
+            ids = ids[-body.truncate_prompt_tokens:]            # as generation truncates: the last k tokens
+        out = {"request_id": f"{prefix}-{uuid.uuid4().hex[:24]}", "model": model_name, "token_ids": ids,
+               "sampling_params": body.model_dump(include=SAMPLING_ECHO, exclude_none=True),
+               "stream": body.stream, "stream_options": body.stream_options and body.stream_options.model_dump(),
+               "token_offsets": None}
+        return [out] if many else out
 
     async def serve(body, prompt, kind: str, chat: bool):
         if body.model != model_name:
