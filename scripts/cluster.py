@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.model is None:
         from engine.models.presets import cached_model
         args.model = str(cached_model("small"))
-    cluster = Cluster(args.model, args.replicas, args.policy, args.engine_flags, port=args.port,
+    router = ["--kv-event-block-size", "32", "--kv-event-model", "pagoda"] if args.kv_events else []
+    cluster = Cluster(args.model, args.replicas, args.policy, args.engine_flags, router, port=args.port,
                       kv_events=args.kv_events)
     cluster.start()
     print(json.dumps({"router": cluster.url, "replicas": [w.url for w in cluster.workers],
