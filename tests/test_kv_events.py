@@ -144,3 +144,25 @@ def test_the_triton_models_engine_publishes_too(tiny_dir, monkeypatch):
     finally:
         model.finalize()
         sub.close(linger=0)
+
+
+def test_a_hash_held_twice_is_announced_once_and_removed_with_its_last_holder():
+    """An orphan (its parent evicted, the chain prefilled again) and its successor hold the same chain hash."""
+    from engine.kv.events import BlockEvents
+    from engine.kv.prefix_cache import PrefixCache, root
+    events = BlockEvents()
+    cache = PrefixCache(4, events)
+    a, b = [1, 2, 3, 4], [5, 6, 7, 8]
+    first = cache.register(0, root(None), a)
+    cache.register(1, first, b)
+    d0, d1 = events.drain()[0].hashes
+    cache.forget(0)                                  # the parent goes first; block 1 is an orphan now
+    assert [e.hashes for e in events.drain()] == [[d0]]
+    again = cache.register(2, root(None), a)         # the prompt again: its chain registered anew
+    cache.register(3, again, b)
+    stored = events.drain()
+    assert [(e.hashes, e.parent) for e in stored] == [([d0], None)]      # d1 is still held: not announced again
+    cache.forget(1)                                  # the orphan's eviction leaves d1 with the new holder
+    assert events.drain() == []
+    cache.forget(3)
+    assert [e.hashes for e in events.drain()] == [[d1]]

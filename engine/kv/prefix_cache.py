@@ -48,6 +48,9 @@ class PrefixCache:
     def __init__(self, block_size: int, events: BlockEvents | None = None) -> None:
         self.block_size = block_size
         self.events = events                        # registrations and evictions, for KV events
+        # live registrations per chain hash: an orphan (its parent evicted, then the chain prefilled again) and
+        # its successor share one, and a router must hear of it once and lose it only with the last
+        self.holders: dict[int, int] = {}
         self.index: dict[int, list[int]] = {}       # bucket -> blocks registered under it
         self.content: dict[int, Entry] = {}         # block -> what it holds
         self.serials = itertools.count()
@@ -82,7 +85,9 @@ class PrefixCache:
             above = self.content.get(parent.block) if isinstance(parent, Key) else None
             up = above.digest if above is not None and above.key == parent else None
             digest = chain_hash(up, None if isinstance(parent, Key) else parent[1], tokens)
-            self.events.stored(digest, up, tokens)
+            self.holders[digest] = self.holders.get(digest, 0) + 1
+            if self.holders[digest] == 1:
+                self.events.stored(digest, up, tokens)
         self.content[block] = Entry(key, parent, tokens, h, digest)
         self.index.setdefault(h, []).append(block)
         return key
@@ -90,7 +95,10 @@ class PrefixCache:
     def forget(self, block: int) -> None:
         entry = self.content.pop(block)
         if self.events is not None and entry.digest is not None:
-            self.events.removed(entry.digest)
+            self.holders[entry.digest] -= 1
+            if not self.holders[entry.digest]:
+                del self.holders[entry.digest]
+                self.events.removed(entry.digest)
         blocks = self.index[entry.bucket]
         blocks.remove(block)
         if not blocks:
