@@ -166,3 +166,39 @@ def test_a_hash_held_twice_is_announced_once_and_removed_with_its_last_holder():
     assert events.drain() == []
     cache.forget(3)
     assert [e.hashes for e in events.drain()] == [[d1]]
+
+
+def test_a_prefills_blocks_are_announced_before_it_runs_and_taken_back_if_it_fails(tiny_dir):
+    """As vLLM announces a block when it schedules it: a router hears of the prompt's blocks while they are being
+    computed. A step that fails takes back what it announced."""
+    e = engine(tiny_dir)
+    published: list = []
+    e.publish = lambda: published.extend(e.kv_events.drain())
+    forward = e.runner.forward
+    at_launch: list = []
+
+    def watch(rows, prev):
+        at_launch.append(list(published))
+        return forward(rows, prev)
+    e.runner.forward = watch
+    prompt = random_ids(40, seed=5)
+    e.add(e.make_request(prompt, greedy(2)))
+    e.step()
+    stored = [x for x in at_launch[0] if isinstance(x, Stored)]
+    assert stored and stored[0].tokens == prompt[:32]                 # out before the prefill ran
+    while e.has_work:
+        e.step()
+    assert sum(isinstance(x, Stored) for x in published) == 1          # registration kept the promise: no repeat
+
+    def broken(rows, prev):
+        raise RuntimeError("device lost")
+    e.runner.forward = broken
+    other = random_ids(40, seed=6)
+    e.add(e.make_request(other, greedy(2)))
+    with pytest.raises(RuntimeError):
+        e.step()
+    e.fail_all("device lost")
+    e.publish()
+    announced = [x for x in published if isinstance(x, Stored) and x.tokens == other[:32]]
+    taken_back = [h for x in published if isinstance(x, Removed) for h in x.hashes]
+    assert announced and set(announced[0].hashes) <= set(taken_back)

@@ -133,6 +133,7 @@ class Engine:
     def fail_all(self, message: str) -> None:
         """End every request with an error after a failed step, leaving the engine ready for new work."""
         self.lookahead.reset()
+        self.kv.withdraw()
         for req in [*self.scheduler.running, *self.scheduler.waiting]:
             req.num_allocated = req.num_computed
             if not req.finished:            # a first sequence's pending forks end with it
@@ -164,6 +165,8 @@ class Engine:
                             prompt_logprobs=req.params.prompt_logprobs if asks else None,
                             next_token=req.prompt_ids[end] if end < n_prompt else -1))
             req.num_allocated = end
+            self.kv.announce(req, end)
+        self.publish()                  # routers hear of the prompt's blocks as this step starts, as vLLM's do
         handle = self.runner.forward(rows, None)
         self.runner.sample(handle)
         sampled = self.runner.fetch(handle)

@@ -28,6 +28,12 @@ class KVStorage(Protocol):
     def trim(self, req: Request, positions: int) -> None:
         """Give back the room past `positions` (an unwound speculative position)."""
 
+    def announce(self, req: Request, end: int) -> None:
+        """KV events: a prefill to position `end` is about to run; announce the blocks it will fill."""
+
+    def withdraw(self) -> None:
+        """KV events: the step that announced failed; take back what it announced."""
+
     def commit(self, req: Request) -> None:
         """KV up to num_computed is final: offer it to the prompt cache."""
 

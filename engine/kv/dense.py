@@ -60,6 +60,12 @@ class DenseKV:
     def trim(self, req: Request, positions: int) -> None:
         pass                            # positions past num_computed are overwritten later
 
+    def announce(self, req: Request, end: int) -> None:
+        pass                                # KV events are paged only
+
+    def withdraw(self) -> None:
+        pass
+
     def commit(self, req: Request) -> None:
         pass                            # a buffer joins the store when it is released
 

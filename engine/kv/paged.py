@@ -101,6 +101,20 @@ class PagedKV:
             parent = keys[-1] if keys else root(req.params.cache_salt)
             keys.append(self.cache.register(req.block_table[i], parent, ids[i * bs:(i + 1) * bs]))
 
+    def announce(self, req: Request, end: int) -> None:
+        """KV events: promise the blocks a prefill up to position `end` will fill (PrefixCache.promise)."""
+        if self.cache is None or self.cache.events is None:
+            return
+        keys, bs, ids = req.block_keys, self.bs, req.all_ids
+        up = self.cache.content[keys[-1].block].digest if keys else None
+        for i in range(len(keys), end // bs):
+            up = self.cache.promise(up, req.params.cache_salt, ids[i * bs:(i + 1) * bs])
+
+    def withdraw(self) -> None:
+        """A step failed: take back its promises."""
+        if self.cache is not None and self.cache.events is not None:
+            self.cache.withdraw()
+
     def release(self, req: Request) -> None:
         """Drop the request's references, tail first, so a chain's head is evicted last."""
         if req.block_table:

@@ -51,6 +51,7 @@ class PrefixCache:
         # live registrations per chain hash: an orphan (its parent evicted, then the chain prefilled again) and
         # its successor share one, and a router must hear of it once and lose it only with the last
         self.holders: dict[int, int] = {}
+        self.promised: dict[int, int] = {}          # announced at scheduling, registered after the step computes
         self.index: dict[int, list[int]] = {}       # bucket -> blocks registered under it
         self.content: dict[int, Entry] = {}         # block -> what it holds
         self.serials = itertools.count()
@@ -69,10 +70,33 @@ class PrefixCache:
             parent = found
         return keys
 
+    def promise(self, parent: int | None, salt: str | None, tokens: Sequence[int]) -> int:
+        """KV events: a block a prefill about to run will fill, announced now (as vLLM announces a block when it
+        schedules it), so a router sees it before the step computes it; its registration keeps the promise.
+        `parent`: the chain hash before it (None: a chain's first block). Returns its chain hash."""
+        digest = chain_hash(parent, salt, tokens)
+        if not self.holders.get(digest) and not self.promised.get(digest):
+            self.events.stored(digest, parent, tokens)
+        self.promised[digest] = self.promised.get(digest, 0) + 1
+        return digest
+
+    def withdraw(self) -> None:
+        """A step failed before registering what it promised: what no registration holds is gone."""
+        for digest in self.promised:
+            if not self.holders.get(digest):
+                self.events.removed(digest)
+        self.promised.clear()
+
     def register(self, block: int, parent: Parent, tokens: Sequence[int]) -> Key:
         """Offer a full block; returns the registration that now stands for these tokens after `parent` (an
         earlier one, when another block already holds them: then `block` stays unregistered)."""
         tokens = tuple(tokens)
+        digest = up = None
+        if self.events is not None:
+            above = self.content.get(parent.block) if isinstance(parent, Key) else None
+            up = above.digest if above is not None and above.key == parent else None
+            digest = chain_hash(up, None if isinstance(parent, Key) else parent[1], tokens)
+        announced = digest is not None and self._keep(digest)
         found = self._find(parent, tokens)
         if found is not None:
             return found
@@ -80,13 +104,9 @@ class PrefixCache:
             return self.content[block].key
         h = bucket(parent, tokens)
         key = Key(block, next(self.serials))
-        digest = None
-        if self.events is not None:
-            above = self.content.get(parent.block) if isinstance(parent, Key) else None
-            up = above.digest if above is not None and above.key == parent else None
-            digest = chain_hash(up, None if isinstance(parent, Key) else parent[1], tokens)
+        if digest is not None:
             self.holders[digest] = self.holders.get(digest, 0) + 1
-            if self.holders[digest] == 1:
+            if self.holders[digest] == 1 and not announced:
                 self.events.stored(digest, up, tokens)
         self.content[block] = Entry(key, parent, tokens, h, digest)
         self.index.setdefault(h, []).append(block)
@@ -103,6 +123,15 @@ class PrefixCache:
         blocks.remove(block)
         if not blocks:
             del self.index[entry.bucket]
+
+    def _keep(self, digest: int) -> bool:
+        """Take one promise of `digest` (whether it was announced already)."""
+        n = self.promised.get(digest, 0)
+        if n > 1:
+            self.promised[digest] = n - 1
+        elif n:
+            del self.promised[digest]
+        return n > 0 or bool(self.holders.get(digest))
 
     def _find(self, parent: Parent, tokens: tuple[int, ...]) -> Key | None:
         for block in self.index.get(bucket(parent, tokens), ()):
