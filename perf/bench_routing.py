@@ -2,7 +2,7 @@
 kv_aware, each on a fresh cluster (scripts/cluster.py), in one run.
 
     python -m perf.bench_routing [--replicas 2] [--tenants 8] [--requests 96] [--concurrency 4]
-        [--system-tokens 512] [--kv-blocks 96] [--json OUT] [--plot OUT.png]
+        [--system-words 200] [--kv-blocks 128] [--json OUT] [--plot OUT.png]
 K tenants each have their own long system prompt; requests are one tenant's system prompt plus a short question,
 tenants in a seeded random order, sent at a fixed concurrency. Every policy gets the same requests in the same
 order. Each replica's KV pool (--kv-blocks) holds only some tenants' prefixes, as a loaded replica's does: a
@@ -87,6 +87,7 @@ def run_policy(policy: str, args, model: str, requests: list[tuple[int, str]]) -
 
 def plot(rows: list[dict], path: str) -> None:
     import matplotlib
+    import matplotlib.ticker
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
@@ -97,6 +98,8 @@ def plot(rows: list[dict], path: str) -> None:
         xs = sorted(r["ttfts_ms"])
         right.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=r["policy"])
     right.set(title="TTFT, cumulative", xlabel="ms", ylabel="fraction of requests", xscale="log")
+    right.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    right.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     right.legend()
     right.grid(alpha=0.3)
     fig.tight_layout()
@@ -110,9 +113,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--tenants", type=int, default=8)
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--system-words", type=int, default=300, help="words of each tenant's system prompt")
+    ap.add_argument("--system-words", type=int, default=200, help="words of each tenant's system prompt")
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--kv-blocks", type=int, default=96, help="each replica's KV pool, in blocks of 32")
+    ap.add_argument("--kv-blocks", type=int, default=128, help="each replica's KV pool, in blocks of 32")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--model", default=None, help="default: the embedded default model")
     ap.add_argument("--router-flag", dest="router_flags", action="append", default=[],
