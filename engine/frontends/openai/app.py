@@ -87,12 +87,18 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
     async def completions(body: CompletionRequest):
         return await serve(body, body.prompt, "text_completion", chat=False)
 
+    def templated(body: ChatCompletionRequest) -> tuple[str | None, JSONResponse | None]:
+        """The chat as prompt text, by the checkpoint's template; else the 400 naming `messages`."""
+        try:
+            return engine.tokenizer.apply_chat_template([m.model_dump() for m in body.messages]), None
+        except ValueError as e:
+            return None, error(400, str(e), "messages")
+
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest):
-        try:
-            prompt = engine.tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
-        except ValueError as e:
-            return error(400, str(e), "messages")
+        prompt, refused = templated(body)
+        if refused:
+            return refused
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
         return await serve(body, prompt, "chat.completion", chat=True)
@@ -105,11 +111,8 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
 
     @app.post("/v1/chat/completions/render")
     async def render_chat(body: ChatCompletionRequest):
-        try:
-            prompt = engine.tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
-        except ValueError as e:
-            return error(400, str(e), "messages")
-        return render(body, prompt, "chatcmpl", many=False)
+        prompt, refused = templated(body)
+        return refused or render(body, prompt, "chatcmpl", many=False)
 
     def render(body, prompt, prefix: str, many: bool):
         if body.model != model_name:
