@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -19,13 +20,23 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scripts.tritonserver import free_port
-
 ROUTER = Path(sys.executable).with_name("vllm-router")
 # Health checks each second, and a worker marked down after one failure: a dead replica leaves the rotation at
 # once. Retries stay on (the router's default): a request refused by a dead replica is tried on another.
 ROUTER_FLAGS = ["--health-check-interval-secs", "1", "--health-failure-threshold", "1",
                 "--health-success-threshold", "1", "--worker-startup-timeout-secs", "120"]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports: held open together while the OS picks them, so no two are the same."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def get(url: str, timeout: float = 2.0) -> bytes:
@@ -81,14 +92,15 @@ class Cluster:
             raise
 
     def _start(self) -> Cluster:
+        ports = free_ports(2 * self.replicas + 2)     # each replica's HTTP and KV events; the router's two
         for i in range(self.replicas):
-            self.workers.append(self._replica(i))
+            self.workers.append(self._replica(i, ports[2 * i], ports[2 * i + 1]))
         for w in self.workers:
             self._wait(w.proc, f"{w.url}/health", w.log)
-        self.port = self.port or free_port()
+        self.port = self.port or ports[-2]
         log = self.logs / "router.log"
         flags = ["--policy", self.policy, "--host", "127.0.0.1", "--port", str(self.port), *ROUTER_FLAGS,
-                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(ports[-1]),
                  "--worker-urls", *(w.url for w in self.workers)]
         for w in self.workers:
             if w.kv_events:
@@ -99,12 +111,12 @@ class Cluster:
         self._wait(self.router, f"{self.url}/v1/models", log)
         return self
 
-    def _replica(self, i: int) -> Replica:
-        port, log = free_port(), self.logs / f"replica{i}.log"
+    def _replica(self, i: int, port: int, events_port: int) -> Replica:
+        log = self.logs / f"replica{i}.log"
         flags = ["--model", self.model, "--port", str(port), "--served-model-name", "pagoda", *self.engine_flags]
         events = None
         if self.kv_events:
-            events = f"tcp://127.0.0.1:{free_port()}"
+            events = f"tcp://127.0.0.1:{events_port}"
             flags += ["--kv-events", "true", "--kv-events-endpoint", events.replace("127.0.0.1", "*")]
         proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", *flags], stdout=open(log, "w"),
                                 stderr=subprocess.STDOUT, start_new_session=True)

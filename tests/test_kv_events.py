@@ -104,6 +104,16 @@ def test_a_stalled_publisher_drops_batches_instead_of_waiting(monkeypatch):
     pub.close()
 
 
+def test_an_endpoint_in_use_is_an_error_naming_the_option():
+    port = free_port()
+    first = Publisher(f"tcp://*:{port}", "", 16)
+    try:
+        with pytest.raises(ValueError, match="kv_events_endpoint"):
+            Publisher(f"tcp://*:{port}", "", 16)
+    finally:
+        first.close()
+
+
 def test_kv_events_need_paged_kv_and_the_prompt_cache():
     with pytest.raises(ValueError, match="kv_events"):
         EngineConfig(kv_events=True, kv_storage="dense")

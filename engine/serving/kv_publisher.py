@@ -53,10 +53,14 @@ class Publisher:
         self.socket.set_hwm(hwm)
         self.socket.setsockopt(zmq.LINGER, 0)
         # as vLLM decides: a wildcard address is bound, anything else connected to
-        if "*" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
-            self.socket.bind(endpoint)
-        else:
-            self.socket.connect(endpoint)
+        try:
+            if "*" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+                self.socket.bind(endpoint)
+            else:
+                self.socket.connect(endpoint)
+        except zmq.ZMQError as e:
+            self.socket.close(linger=0)
+            raise ValueError(f"kv_events_endpoint: cannot use {endpoint!r} ({e})") from None
         self.endpoint = endpoint
         self.thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self.thread.start()
