@@ -53,9 +53,7 @@ def quantile(values: list[float], q: float) -> float:
 
 def run_policy(policy: str, args, model: str, requests: list[tuple[int, str]]) -> dict:
     flags = ["--num-kv-blocks", str(args.kv_blocks), "--max-batch-size", "4", *args.engine_flags]
-    router = ["--kv-event-block-size", "32", "--kv-event-model", "pagoda"] if policy == "kv_aware" else []
-    router += args.router_flags
-    with Cluster(model, args.replicas, policy, flags, router, kv_events=policy == "kv_aware") as c:
+    with Cluster(model, args.replicas, policy, flags, args.router_flags, kv_events=policy == "kv_aware") as c:
         before = [(w.metric("vllm:prefix_cache_hits_total"), w.metric("vllm:prefix_cache_queries_total"),
                    w.metric("vllm:request_success_total", finished_reason="length")) for w in c.workers]
         url = c.url.removeprefix("http://")

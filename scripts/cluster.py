@@ -78,7 +78,8 @@ class Cluster:
     engine_flags: list[str] = field(default_factory=list)
     router_flags: list[str] = field(default_factory=list)
     port: int = 0
-    kv_events: bool = False
+    kv_events: bool = False           # replicas publish KV events; the router reads them (kv_aware)
+    block_size: int = 32              # the replicas' KV block size, which the router's event index must share
     logs: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="pagoda-cluster-")))
     workers: list[Replica] = field(default_factory=list)
     router: subprocess.Popen | None = None
@@ -102,6 +103,8 @@ class Cluster:
         flags = ["--policy", self.policy, "--host", "127.0.0.1", "--port", str(self.port), *ROUTER_FLAGS,
                  "--prometheus-host", "127.0.0.1", "--prometheus-port", str(ports[-1]),
                  "--worker-urls", *(w.url for w in self.workers)]
+        if self.kv_events:
+            flags += ["--kv-event-block-size", str(self.block_size), "--kv-event-model", "pagoda"]
         for w in self.workers:
             if w.kv_events:
                 flags += ["--kv-event-source", f"{w.url}={w.kv_events}"]
@@ -113,7 +116,8 @@ class Cluster:
 
     def _replica(self, i: int, port: int, events_port: int) -> Replica:
         log = self.logs / f"replica{i}.log"
-        flags = ["--model", self.model, "--port", str(port), "--served-model-name", "pagoda", *self.engine_flags]
+        flags = ["--model", self.model, "--port", str(port), "--served-model-name", "pagoda",
+                 "--block-size", str(self.block_size), *self.engine_flags]
         events = None
         if self.kv_events:
             events = f"tcp://127.0.0.1:{events_port}"
@@ -165,8 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model is None:
         from engine.models.presets import cached_model
         args.model = str(cached_model("small"))
-    router = ["--kv-event-block-size", "32", "--kv-event-model", "pagoda"] if args.kv_events else []
-    cluster = Cluster(args.model, args.replicas, args.policy, args.engine_flags, router, port=args.port,
+    cluster = Cluster(args.model, args.replicas, args.policy, args.engine_flags, port=args.port,
                       kv_events=args.kv_events)
     cluster.start()
     print(json.dumps({"router": cluster.url, "replicas": [w.url for w in cluster.workers],

@@ -3,9 +3,6 @@ order it happens, named by chain hashes that agree across replicas, on the wire 
 publisher that never holds up a step; from both front ends' engines."""
 from __future__ import annotations
 
-import importlib.util
-import json
-import sys
 import threading
 
 import msgpack
@@ -124,21 +121,12 @@ def test_kv_events_need_paged_kv_and_the_prompt_cache():
 def test_the_triton_models_engine_publishes_too(tiny_dir, monkeypatch):
     """config.pbtxt parameters turn events on for the Triton front end, whose engine runs in a child process."""
     from tests import test_triton_model as t
-    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", t.fake_pb_utils())
-    spec = importlib.util.spec_from_file_location("pagoda_triton_model_events", t.MODEL_PY)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
     port = free_port()
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(f"tcp://127.0.0.1:{port}")
-    model = module.TritonPythonModel()
-    params = {"model": tiny_dir, "dtype": "float32", "block_size": "16", "kv_events": "true",
-              "kv_events_endpoint": f"tcp://*:{port}"}
-    config = {"model_transaction_policy": {"decoupled": True},
-              "parameters": {k: {"string_value": v} for k, v in params.items()}}
-    model.initialize({"model_config": json.dumps(config), "model_name": "llm", "model_version": "1"})
+    _, model = t.start_model(monkeypatch, {"model": tiny_dir, "dtype": "float32", "block_size": "16",
+                                           "kv_events": "true", "kv_events_endpoint": f"tcp://*:{port}"})
     try:
         prompts, stored = [], []
         for attempt in range(20):                  # fresh prompts until the SUB has joined and heard a store

@@ -105,9 +105,8 @@ def test_kv_aware_routes_a_shared_prefix_to_the_replica_that_holds_it(tmp_path):
     (/v1/completions/render) and sends it where its prefix's blocks are. Round robin would alternate."""
     from engine.models.presets import make_model
     model = make_model("tiny", tmp_path / "tiny")
-    with Cluster(str(model), replicas=2, policy="kv_aware", kv_events=True,
-                 engine_flags=["--dtype", "float32", "--block-size", "16"],
-                 router_flags=["--kv-event-block-size", "16", "--kv-event-model", "pagoda"]) as c:
+    with Cluster(str(model), replicas=2, policy="kv_aware", kv_events=True, block_size=16,
+                 engine_flags=["--dtype", "float32"]) as c:
         system = random_ids(96, seed=77)                  # six blocks every request shares
         for i in range(6):
             chunks, end = stream(c.url, system + random_ids(5, seed=200 + i), 2)

@@ -101,8 +101,8 @@ def fake_pb_utils() -> types.ModuleType:
     return pb
 
 
-@pytest.fixture(params=["process", "thread"])
-def triton_model(request, tiny_dir, monkeypatch):
+def start_model(monkeypatch, parameters: dict[str, str]):
+    """model.py loaded against the stand-in pb_utils and initialized with these config.pbtxt parameters."""
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake_pb_utils())
     spec = importlib.util.spec_from_file_location("pagoda_triton_model", MODEL_PY)
     module = importlib.util.module_from_spec(spec)
@@ -110,10 +110,15 @@ def triton_model(request, tiny_dir, monkeypatch):
     spec.loader.exec_module(module)
     model = module.TritonPythonModel()
     config = {"model_transaction_policy": {"decoupled": True},
-              "parameters": {k: {"string_value": v} for k, v in
-                             {"model": tiny_dir, "dtype": "float32", "num_threads": "1",
-                              "engine_process": str(request.param == "process")}.items()}}
+              "parameters": {k: {"string_value": v} for k, v in parameters.items()}}
     model.initialize({"model_config": json.dumps(config), "model_name": "llm", "model_version": "1"})
+    return module, model
+
+
+@pytest.fixture(params=["process", "thread"])
+def triton_model(request, tiny_dir, monkeypatch):
+    module, model = start_model(monkeypatch, {"model": tiny_dir, "dtype": "float32", "num_threads": "1",
+                                              "engine_process": str(request.param == "process")})
     yield module, model
     model.finalize()
 
