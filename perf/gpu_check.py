@@ -43,12 +43,13 @@ class Sizes:
     iters: int
     blocks: int                   # num_kv_blocks of paged engines (0: sized by the engine)
     kernel_tests: str             # pytest -k of tests/test_kernels.py ("": all)
+    speed_attention: str          # the speed sections' engines (the dry run: torch's ops, not interpreted Triton)
 
 
 FULL = Sizes("cuda", "auto", ("tiny", "small"), 32, 40, "qwen2.5-0.5b", 64, "qwen2.5-0.5b", 256, 3, 471, 512,
-             (512, 2048, 8192), (1, 4), 50, 0, "")
+             (512, 2048, 8192), (1, 4), 50, 0, "", "auto")
 DRY = Sizes("cpu", "triton", ("tiny",), 4, 40, "tiny", 6, "tiny", 4, 1, 80, 4, (64,), (1,), 1, 8,
-            "switch or buckets")
+            "switch or buckets", "reference")
 
 
 def environment(s: Sizes) -> tuple[dict, list[dict]]:
@@ -73,7 +74,7 @@ def environment(s: Sizes) -> tuple[dict, list[dict]]:
 
 
 def kernel_tests(s: Sizes) -> tuple[dict, list[dict]]:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py",
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "tests/test_kernels.py",
            "tests/test_graphs.py"]
     if s.kernel_tests:
         cmd += ["-k", s.kernel_tests]

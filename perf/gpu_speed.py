@@ -46,8 +46,9 @@ def run(engine: Engine, prompts: list[list[int]], n: int, lookahead: bool = True
 def engine(s, **options) -> Engine:
     path = str(cached_model(s.speed_model))
     paged = options.get("kv_storage", "paged") == "paged"
-    return Engine(EngineConfig(**{"model": path, "device": s.device, "dtype": "bfloat16", "attention": s.attention,
-                                  "max_batch_size": 4 if paged else 1, "kv_storage": "paged",
+    return Engine(EngineConfig(**{"model": path, "device": s.device, "dtype": "bfloat16",
+                                  "attention": s.speed_attention, "max_batch_size": 4 if paged else 1,
+                                  "kv_storage": "paged",
                                   "num_kv_blocks": s.blocks if paged else 0, **options}))
 
 
