@@ -130,14 +130,15 @@ def stream_http(url: str, model: str, prompt: str, params: dict,
 
 
 def stream_openai(url: str, model: str, prompt: str | list[int], params: dict,
-                  on_text: Callable[[str], None] | None = None, timeout: float = 600.0) -> Result:
+                  on_text: Callable[[str], None] | None = None, timeout: float = 600.0,
+                  headers: dict[str, str] | None = None) -> Result:
     """POST /v1/completions with stream=true (SSE); token ids come from the engine's `token_ids` extension
-    when present, else one token per chunk."""
+    when present, else one token per chunk. `headers` go with the request (a router's session key)."""
     body = {"model": model, "prompt": prompt, "stream": True, "stream_options": {"include_usage": True},
             "max_tokens": params.get("max_tokens", 16), "temperature": params.get("temperature", 1.0),
             **{k: v for k, v in params.items() if k not in ("max_tokens", "temperature")}}
     req = urllib.request.Request(f"http://{url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     result = Result(start=time.perf_counter())
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         for line in resp:

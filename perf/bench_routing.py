@@ -1,12 +1,15 @@
-"""Routing across replicas: the same multi-tenant workload through vllm-router under round_robin, cache_aware and
-kv_aware, each on a fresh cluster (scripts/cluster.py), in one run.
+"""Routing across replicas: the same multi-tenant workload through vllm-router under round_robin, cache_aware,
+kv_aware and kv_aware with session affinity, each on a fresh cluster (scripts/cluster.py), in one run.
 
     python -m perf.bench_routing [--replicas 2] [--tenants 8] [--requests 96] [--concurrency 4]
         [--system-words 200] [--kv-blocks 128] [--json OUT] [--plot OUT.png]
 K tenants each have their own long system prompt; requests are one tenant's system prompt plus a short question,
 tenants in a seeded random order, sent at a fixed concurrency. Every policy gets the same requests in the same
 order. Each replica's KV pool (--kv-blocks) holds only some tenants' prefixes, as a loaded replica's does: a
-replica that sees every tenant evicts one tenant's prefix for the next's. Reported per policy: the prefix-cache
+replica that sees every tenant evicts one tenant's prefix for the next's. Every request names its tenant as the
+session (`x-session-id`, a header vllm-router reads); only `kv_aware+session` (kv_aware with
+--kv-aware-session-affinity-ttl-secs) acts on it, placing a session's first request by its KV cost and keeping
+the session on that replica while it is active. Reported per policy: the prefix-cache
 hit rate in tokens (the replicas' vllm:prefix_cache_hits_total over vllm:prefix_cache_queries_total), TTFT p50
 and p95 (from token arrivals at the client), throughput (requests/s, generated tokens/s), the requests each
 replica served.
@@ -27,7 +30,8 @@ from client.stream import Result, stream_openai
 from perf.common import table
 from scripts.cluster import Cluster
 
-POLICIES = ("round_robin", "cache_aware", "kv_aware")
+POLICIES = ("round_robin", "cache_aware", "kv_aware", "kv_aware+session")
+VARIANTS = {"kv_aware+session": ("kv_aware", ["--kv-aware-session-affinity-ttl-secs", "60"])}   # name: policy, flags
 WORDS = ("account invoice ledger policy tenant region cluster storage network backup billing quota release "
          "schedule contract support audit report metric alert").split()
 
@@ -53,7 +57,9 @@ def quantile(values: list[float], q: float) -> float:
 
 def run_policy(policy: str, args, model: str, requests: list[tuple[int, str]]) -> dict:
     flags = ["--num-kv-blocks", str(args.kv_blocks), "--max-batch-size", "4", *args.engine_flags]
-    with Cluster(model, args.replicas, policy, flags, args.router_flags, kv_events=policy == "kv_aware") as c:
+    router, router_flags = VARIANTS.get(policy, (policy, []))
+    with Cluster(model, args.replicas, router, flags, [*router_flags, *args.router_flags],
+                 kv_events=router == "kv_aware") as c:
         before = [(w.metric("vllm:prefix_cache_hits_total"), w.metric("vllm:prefix_cache_queries_total"),
                    w.metric("vllm:request_success_total", finished_reason="length")) for w in c.workers]
         url = c.url.removeprefix("http://")
@@ -62,7 +68,8 @@ def run_policy(policy: str, args, model: str, requests: list[tuple[int, str]]) -
         bar = tqdm(total=len(requests), desc=policy, unit="req", leave=False)
 
         def one(i: int) -> None:
-            results[i] = stream_openai(url, "pagoda", requests[i][1], params)
+            tenant, prompt = requests[i]
+            results[i] = stream_openai(url, "pagoda", prompt, params, headers={"x-session-id": f"tenant-{tenant}"})
             bar.update()
         start = time.perf_counter()
         with ThreadPoolExecutor(args.concurrency) as pool:
@@ -90,8 +97,9 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     names = [r["policy"] for r in rows]
-    left.bar(names, [100 * r["hit_rate"] for r in rows], color=["#999", "#4a7", "#37c"][:len(rows)])
+    left.bar(names, [100 * r["hit_rate"] for r in rows], color=["#999", "#4a7", "#37c", "#c73"][:len(rows)])
     left.set(title="prefix-cache hit rate (tokens)", ylabel="%")
+    left.tick_params(axis="x", labelrotation=15)
     for r in rows:
         xs = sorted(r["ttfts_ms"])
         right.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=r["policy"])
@@ -125,6 +133,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.model is None:
         from engine.models.presets import cached_model
         args.model = str(cached_model("small"))
+    unknown = [p for p in args.policies.split(",") if p not in POLICIES]
+    if unknown:
+        ap.error(f"--policies: unknown policy {unknown[0]!r}; one of {', '.join(POLICIES)}")
     requests = workload(args.tenants, args.requests, args.system_words)
     rows = [run_policy(p, args, args.model, requests) for p in args.policies.split(",")]
     base = next((r for r in rows if r["policy"] == "round_robin"), None)

@@ -1,7 +1,8 @@
 """A local cluster: N `python -m engine serve` replicas behind the vLLM project's router (`vllm-router`), on
 loopback. Nothing here routes: the router does, with the policy it is given.
 
-    python -m scripts.cluster [--replicas 2] [--policy cache_aware] [--port 30000] [-- ENGINE FLAGS]
+    python -m scripts.cluster [--replicas 2] [--policy cache_aware] [--port 30000] [--router-flag F ...]
+        [-- ENGINE FLAGS]
 prints the router's URL and serves until interrupted (`make cluster`). Tests and perf/bench_routing.py use
 `Cluster` directly.
 """
@@ -164,12 +165,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--model", default=None, help="default: the embedded default model")
     ap.add_argument("--kv-events", action="store_true", help="replicas publish KV events to the router")
+    ap.add_argument("--router-flag", dest="router_flags", action="append", default=[],
+                    help="one more vllm-router flag or value (repeat)")
     ap.add_argument("engine_flags", nargs="*", help="after --: more `engine serve` flags")
     args = ap.parse_args(argv)
     if args.model is None:
         from engine.models.presets import cached_model
         args.model = str(cached_model("small"))
-    cluster = Cluster(args.model, args.replicas, args.policy, args.engine_flags, port=args.port,
+    cluster = Cluster(args.model, args.replicas, args.policy, args.engine_flags, args.router_flags, port=args.port,
                       kv_events=args.kv_events)
     cluster.start()
     print(json.dumps({"router": cluster.url, "replicas": [w.url for w in cluster.workers],

@@ -24,11 +24,19 @@ def test_the_workload_is_the_same_for_every_policy_and_shares_each_tenants_prefi
 def test_a_short_run_measures_every_policy(tmp_path, tiny_dir):
     out, png = tmp_path / "routing.json", tmp_path / "routing.png"
     rows = bench_routing.main(["--model", tiny_dir, "--tenants", "2", "--requests", "8", "--concurrency", "2",
-                               "--system-words", "40", "--kv-blocks", "64", "--policies", "round_robin,kv_aware",
+                               "--system-words", "40", "--kv-blocks", "64",
+                               "--policies", "round_robin,kv_aware+session",
                                "--json", str(out), "--plot", str(png), "--", "--dtype", "float32"])
-    assert [r["policy"] for r in rows] == ["round_robin", "kv_aware"]
+    assert [r["policy"] for r in rows] == ["round_robin", "kv_aware+session"]
     for r in rows:
         assert r["errors"] == 0 and sum(r["served"]) == 8 and 0 <= r["hit_rate"] <= 1
         assert r["queried_tokens"] > 0 and r["ttft_p95_ms"] >= r["ttft_p50_ms"] > 0
     assert rows[0]["served"] == [4, 4]                             # round robin alternates
-    assert json.loads(out.read_text())["rows"][1]["policy"] == "kv_aware" and png.stat().st_size > 0
+    assert all(n % 4 == 0 for n in rows[1]["served"])              # each tenant's 4 requests stay on one replica
+    assert json.loads(out.read_text())["rows"][1]["policy"] == "kv_aware+session" and png.stat().st_size > 0
+
+
+def test_an_unknown_policy_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit):
+        bench_routing.main(["--policies", "round_robin,sticky"])
+    assert "--policies: unknown policy 'sticky'" in capsys.readouterr().err

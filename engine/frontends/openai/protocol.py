@@ -1,8 +1,9 @@
 """OpenAI request bodies (pydantic) and their translation to SamplingParams; extensions as vLLM names them.
 
-As vLLM's server does, a field this server does not know is accepted and ignored, with one log line naming it
-(routers and SDKs add their own). A field it knows but does not honour yet is refused, naming it, unless its value
-asks for nothing (a penalty of 0, `logprobs` false): a client is never answered as if it had been honoured.
+As vLLM's server does, a field this server does not know is accepted and ignored, and each set of such names is
+logged once (routers and SDKs add their own to every request). A field it knows but does not honour yet is refused,
+naming it, unless its value asks for nothing (a penalty of 0, `logprobs` false): a client is never answered as if
+it had been honoured.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from engine.core.sampling import SamplingParams
 from engine.core.structured import StructuredOutputs
 
 log = logging.getLogger("pagoda")
+_IGNORED: set[tuple[str, ...]] = set()     # sets of unknown field names already logged
 # known, not honoured yet -> the values that ask for nothing
 NOT_YET: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1), "suffix": (None, ""),
@@ -70,7 +72,9 @@ class _Sampling(BaseModel):
         if not isinstance(data, dict):
             return data
         unknown = sorted(k for k in data if k not in cls.model_fields and k not in NOT_YET)
-        if unknown:
+        if unknown and tuple(unknown) not in _IGNORED:
+            if len(_IGNORED) < 256:            # once per set: a router adds the same fields to every request
+                _IGNORED.add(tuple(unknown))
             log.info("openai: ignored fields the server does not know: %s", ", ".join(unknown))
         asked = {k: v for k, v in data.items() if k in NOT_YET and v not in NOT_YET[k]}
         return {**{k: v for k, v in data.items() if k not in NOT_YET}, "not_yet": asked}
