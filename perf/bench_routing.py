@@ -26,6 +26,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from client.metrics import scrape_many
 from client.stream import Result, stream_openai
 from perf.common import table
 from scripts.cluster import Cluster
@@ -55,13 +56,18 @@ def quantile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[int(q * 100) - 1] if len(values) > 1 else values[0]
 
 
+def counts(cluster: Cluster) -> list[tuple[float, float, float]]:
+    """Each replica's prefix-cache hit and queried tokens, and the requests it finished."""
+    return [(*scrape_many(f"{w.url}/metrics", "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"),
+             w.metric("vllm:request_success_total", finished_reason="length")) for w in cluster.workers]
+
+
 def run_policy(policy: str, args, model: str, requests: list[tuple[int, str]]) -> dict:
     flags = ["--num-kv-blocks", str(args.kv_blocks), "--max-batch-size", "4", *args.engine_flags]
     router, router_flags = VARIANTS.get(policy, (policy, []))
     with Cluster(model, args.replicas, router, flags, [*router_flags, *args.router_flags],
                  kv_events=router == "kv_aware") as c:
-        before = [(w.metric("vllm:prefix_cache_hits_total"), w.metric("vllm:prefix_cache_queries_total"),
-                   w.metric("vllm:request_success_total", finished_reason="length")) for w in c.workers]
+        before = counts(c)
         url = c.url.removeprefix("http://")
         params = {"max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
         results: list[Result | None] = [None] * len(requests)
@@ -76,8 +82,7 @@ def run_policy(policy: str, args, model: str, requests: list[tuple[int, str]]) -
             list(pool.map(one, range(len(requests))))
         wall = time.perf_counter() - start
         bar.close()
-        after = [(w.metric("vllm:prefix_cache_hits_total"), w.metric("vllm:prefix_cache_queries_total"),
-                  w.metric("vllm:request_success_total", finished_reason="length")) for w in c.workers]
+        after = counts(c)
     hits = sum(a[0] - b[0] for a, b in zip(after, before))
     queries = sum(a[1] - b[1] for a, b in zip(after, before))
     ok = [r for r in results if r is not None and r.error is None and r.token_times]

@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,23 +20,14 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from client.metrics import scrape
+from scripts.ports import free_ports
+
 ROUTER = Path(sys.executable).with_name("vllm-router")
 # Health checks each second, and a worker marked down after one failure: a dead replica leaves the rotation at
 # once. Retries stay on (the router's default): a request refused by a dead replica is tried on another.
 ROUTER_FLAGS = ["--health-check-interval-secs", "1", "--health-failure-threshold", "1",
                 "--health-success-threshold", "1", "--worker-startup-timeout-secs", "120"]
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free ports: held open together while the OS picks them, so no two are the same."""
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def get(url: str, timeout: float = 2.0) -> bytes:
@@ -61,14 +51,8 @@ class Replica:
     kv_events: str | None = None      # its KV-event endpoint, when published
 
     def metric(self, name: str, **labels: str) -> float:
-        """One sample of its /metrics (0 when absent)."""
-        from prometheus_client.parser import text_string_to_metric_families
-        text = get(f"{self.url}/metrics").decode()
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                    return s.value
-        return 0.0
+        """Its /metrics' samples of `name` with `labels`, summed (0 when absent)."""
+        return scrape(f"{self.url}/metrics", name, **labels)
 
 
 @dataclass

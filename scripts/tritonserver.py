@@ -11,7 +11,6 @@ import argparse
 import importlib.util
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -19,6 +18,8 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from scripts.ports import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -91,12 +92,6 @@ def environment(cache: Path) -> dict[str, str]:
     return env
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class Server:
     proc: subprocess.Popen
@@ -125,7 +120,7 @@ class Server:
 def launch(env: dict[str, str], log: Path, ready_timeout: float = 300,
            repository: Path = ROOT / "model_repository") -> Server:
     """Start tritonserver in the background on free loopback ports; returns once the model is ready."""
-    ports = free_port(), free_port(), free_port()
+    ports = free_ports(3)
     cmd = [sys.executable, "-m", "scripts.tritonserver", f"--http-port={ports[0]}", f"--grpc-port={ports[1]}",
            f"--metrics-port={ports[2]}", f"--model-repository={repository}"]
     out = open(log, "w")

@@ -14,7 +14,7 @@ import warnings
 from engine import LLM, SamplingParams
 from engine.core.engine import Engine
 from engine.core.output import Delta
-from scripts.tritonserver import free_port
+from scripts.ports import free_port
 
 
 def random_ids(n: int, seed: int, low: int = 3, high: int = 900) -> list[int]:

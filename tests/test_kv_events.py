@@ -13,7 +13,7 @@ from engine.config import EngineConfig
 from engine.core.engine import Engine
 from engine.kv.events import Cleared, Removed, Stored, chain_hash
 from engine.serving.kv_publisher import Publisher, encode
-from scripts.tritonserver import free_port
+from scripts.ports import free_port
 from tests.helpers import greedy, random_ids
 
 
