@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens", "return_cached_tokens")
+FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens", "return_cached_tokens",
+         "return_decode_timing")
 
 
 @dataclass(slots=True)
@@ -28,6 +29,8 @@ class Result:
     finish_reason: str = ""
     num_input_tokens: int = 0
     cached_tokens: int = 0
+    engine_decode_tok_s: float = float("nan")     # the engine's own decode rate and CPU ms per token (Triton's
+    engine_decode_cpu_ms: float = float("nan")    # return_decode_timing), once the request ends
     error: str | None = None
 
     @property
@@ -54,6 +57,11 @@ def _apply(result: Result, fields: dict, now: float) -> None:
     for name in ("num_input_tokens", "cached_tokens"):
         if fields.get(name) is not None:
             setattr(result, name, int(np.atleast_1d(fields[name])[0]))
+    for name in ("decode_tok_s", "decode_cpu_ms"):
+        value = fields.get(name)
+        value = 0.0 if value is None else float(np.atleast_1d(value)[0])       # 0 until the request ends
+        if value > 0:
+            setattr(result, f"engine_{name}", value)
 
 
 def grpc_inputs(prompt: str | list[int], params: dict, stream: bool = True, **flags: bool) -> list:

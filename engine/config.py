@@ -96,6 +96,10 @@ class EngineConfig:
     def failpoints(self) -> set[int]:
         return failpoint_steps()
 
+    @property
+    def hit_decode_delay(self) -> float:
+        return hit_decode_delay()
+
     @classmethod
     def from_strings(cls, values: Mapping[str, Any]) -> EngineConfig:
         """From string values (config.pbtxt parameters, env); an unknown name is an error naming it."""
@@ -216,6 +220,13 @@ def force_sync() -> bool:
 def failpoint_steps() -> set[int]:
     """PAGODA_FAILPOINT_STEPS=5,9: those engine steps raise mid-step (fault injection for reliability tests)."""
     return {int(n) for n in os.environ.get("PAGODA_FAILPOINT_STEPS", "").split(",") if n.strip()}
+
+
+def hit_decode_delay() -> float:
+    """PAGODA_FAILPOINT_HIT_DECODE_MS=2: every decode tick whose batch holds a prompt-cache hit sleeps that long
+    (seconds returned; 0 when unset): the seed's defect on demand, so the main job's verdict can be shown to see it."""
+    text = os.environ.get("PAGODA_FAILPOINT_HIT_DECODE_MS", "").strip()
+    return float(text) / 1000 if text else 0.0
 
 
 def cpu_kernels() -> bool:

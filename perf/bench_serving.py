@@ -19,9 +19,13 @@ from pathlib import Path
 from client.metrics import scrape_many
 from client.stream import Result, stream_grpc, stream_openai
 from client.workload import Workload
-from perf.common import bootstrap_interval, plot_requests, range_cell, spread
+from perf.common import plot_requests, range_cell, spread
 from perf.common import table as text_table
+from perf.verdict import Ratio, ratio
 
+# hit/miss ratios, each the median of per-pair ratios with its 95% interval: name -> the Sample field
+PAIRED = {"client_decode": "decode_tok_s", "engine_decode": "engine_decode_tok_s", "engine_cpu": "engine_cpu_ms",
+          "ttft": "ttft_s"}
 COUNTERS = ("pagoda_decode_lookahead_steps_total", "pagoda_decode_cpu_seconds_total",
             "pagoda_block_table_pairs_total", "pagoda_block_table_consecutive_pairs_total")
 
@@ -40,6 +44,8 @@ class Sample:
     decode_cpu_ms: float = float("nan")   # engine-thread CPU per decoded token, over the group
     contiguity: float = float("nan")      # consecutive fraction of the group's block tables (paged)
     error: str | None = None
+    engine_decode_tok_s: float = float("nan")    # the engine's own decode rate of this request
+    engine_cpu_ms: float = float("nan")          # and its engine-thread CPU per decoded token
 
 
 def counters(metrics_url: str | None) -> list[float]:
@@ -47,20 +53,15 @@ def counters(metrics_url: str | None) -> list[float]:
     return scrape_many(metrics_url, *COUNTERS) if metrics_url else [float("nan")] * len(COUNTERS)
 
 
-def pair_ratios(samples: list[Sample], concurrency: int) -> list[float]:
-    """Per pair, hit decode / miss decode (each side's mean over the pair's group): drift between pairs cancels."""
-    ratios = []
+def pairs(samples: list[Sample], concurrency: int, field: str) -> list[tuple[float, float]]:
+    """Per pair, (miss, hit) of one Sample field, each side's mean over the pair's group."""
+    out = []
     for pair in sorted({s.pair for s in samples if s.concurrency == concurrency}):
-        group = {k: [s.decode_tok_s for s in samples if s.concurrency == concurrency and s.pair == pair
+        group = {k: [getattr(s, field) for s in samples if s.concurrency == concurrency and s.pair == pair
                      and s.kind == k and s.error is None] for k in ("miss", "hit")}
         if group["miss"] and group["hit"]:
-            ratios.append(statistics.mean(group["hit"]) / statistics.mean(group["miss"]))
-    return ratios
-
-
-def paired_ratio(samples: list[Sample], concurrency: int) -> float:
-    ratios = pair_ratios(samples, concurrency)
-    return statistics.median(ratios) if ratios else float("nan")
+            out.append((statistics.mean(group["miss"]), statistics.mean(group["hit"])))
+    return out
 
 
 def summarize(samples: list[Sample]) -> dict:
@@ -75,17 +76,16 @@ def summarize(samples: list[Sample]) -> dict:
             row[kind] = {"n": len(group),
                          "ttft_ms": spread([1000 * s.ttft_s for s in group]),
                          "decode_tok_s": spread([s.decode_tok_s for s in group]),
+                         "engine_decode_tok_s": spread([s.engine_decode_tok_s for s in group]),
+                         "engine_cpu_ms": spread([s.engine_cpu_ms for s in group]),
                          "cached": statistics.median(s.cached_tokens for s in group),
                          "prompt_tokens": statistics.median(s.prompt_tokens for s in group),
                          "lookahead_steps": statistics.median(s.lookahead_steps for s in group),
                          "decode_cpu_ms": statistics.median(s.decode_cpu_ms for s in group),
                          "contiguity": statistics.median(s.contiguity for s in group)}
         if "miss" in row and "hit" in row:
-            row["decode_ratio"] = row["hit"]["decode_tok_s"][0] / row["miss"]["decode_tok_s"][0]
-            row["ttft_ratio"] = row["hit"]["ttft_ms"][0] / row["miss"]["ttft_ms"][0]
-            row["paired_decode_ratio"] = paired_ratio(samples, c)
-            row["paired_decode_ci95"] = list(bootstrap_interval(pair_ratios(samples, c)))
-            row["decode_cpu_ratio"] = row["hit"]["decode_cpu_ms"] / row["miss"]["decode_cpu_ms"]
+            for name, field in PAIRED.items():
+                row[name] = ratio(pairs(samples, c, field)).as_dict()
         out[c] = row
     return out
 
@@ -97,15 +97,16 @@ def table(summary: dict, title: str = "") -> str:
             if kind in row:
                 r = row[kind]
                 rows.append([c, kind, r["n"], range_cell(r["ttft_ms"]), range_cell(r["decode_tok_s"]),
+                             range_cell(r["engine_decode_tok_s"]), range_cell(r["engine_cpu_ms"], 3),
                              f"{int(r['cached'])}/{int(r['prompt_tokens'])}", f"{r['lookahead_steps']:.0f}",
-                             f"{r['decode_cpu_ms']:.3f}", f"{r['contiguity']:.3f}"])
-        if "decode_ratio" in row:
-            lo, hi = row["paired_decode_ci95"]
-            notes.append(f"{c:>4} hit/miss: decode {row['decode_ratio']:.3f} (paired {row['paired_decode_ratio']:.3f},"
-                         f" 95% CI {lo:.3f}-{hi:.3f})  TTFT {row['ttft_ratio']:.3f}"
-                         f"  decode CPU per token {row['decode_cpu_ratio']:.3f}")
-    header = ["conc", "kind", "n", "TTFT ms med (min-max)", "decode tok/s med (min-max)", "cached",
-              "lookahead/req", "cpu ms/tok", "contiguity"]
+                             f"{r['contiguity']:.3f}"])
+        if "engine_decode" in row:
+            notes.append(f"{c:>4} hit/miss, median of pairs (95% CI): " + "  ".join(
+                f"{label} {Ratio.of(row[name])}" for name, label in (
+                    ("engine_decode", "engine decode"), ("client_decode", "client decode"),
+                    ("engine_cpu", "engine CPU/token"), ("ttft", "TTFT"))))
+    header = ["conc", "kind", "n", "TTFT ms med (min-max)", "client decode tok/s", "engine decode tok/s",
+              "engine cpu ms/tok", "cached", "lookahead/req", "contiguity"]
     return "\n".join([title] * bool(title) + [text_table(header, rows, left=0)] + notes)
 
 
@@ -131,7 +132,7 @@ class Bench:
         before = counters(self.metrics_url)
         with ThreadPoolExecutor(len(prompts)) as pool:
             results = list(pool.map(lambda p: self.stream(self.args.url, self.args.model, p, self.params), prompts))
-        time.sleep(0.6)                 # the Triton model mirrors its metrics every 0.5 s
+        # no wait: a FINAL response leaves the Triton model after its request's counters are mirrored
         steps, cpu, pairs, consecutive = (a - b for a, b in zip(counters(self.metrics_url), before))
         decoded = sum(max(0, len(r.ids) - 1) for r in results)
         return (results, steps / len(prompts), 1000 * cpu / max(1, decoded),
@@ -149,7 +150,8 @@ class Bench:
                 results, steps, cpu, contiguity = self.group(prompts)
                 if pair >= a.warmup:
                     out += [Sample(concurrency, pair - a.warmup, kind, r.ttft, r.decode_rate, len(r.ids), len(p),
-                                   r.cached_tokens, steps, cpu, contiguity, r.error) for r, p in zip(results, prompts)]
+                                   r.cached_tokens, steps, cpu, contiguity, r.error, r.engine_decode_tok_s,
+                                   r.engine_decode_cpu_ms) for r, p in zip(results, prompts)]
                 progress.update(len(prompts))
                 time.sleep(a.cooldown)
         return out

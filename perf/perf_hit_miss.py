@@ -1,9 +1,12 @@
-"""perf_analyzer, hit vs miss: writes --input-data files (a HIT set whose prompts share all but their last tokens
-with a prefix that is warmed first; a MISS set whose prompts never share a first token), runs perf_analyzer on
-each (`-i grpc --streaming`, a fixed request count, concurrency 1) and compares the two exports.
+"""perf_analyzer, hit vs miss, interleaved: one --input-data file alternates MISS and HIT prompts (each HIT shares
+all but its last tokens with the MISS just before it), and perf_analyzer sends them in order, one at a time
+(`-i grpc --streaming`, concurrency 1, a fixed request count), keeping its own timing; drift on the machine falls
+on both kinds alike. Each MISS is paired with its HIT, as the bench pairs them, and the hit/miss ratios carry their
+95% intervals: from perf_analyzer's response timestamps (the client's view) and from the engine's own decode
+timing (return_decode_timing), which perf_analyzer records with each response.
 
-    python -m perf.perf_hit_miss --url 127.0.0.1:8001 --prompt-tokens 471 --max-tokens 128 --requests 8 \\
-        --out perf/results/paged
+    python -m perf.perf_hit_miss --url 127.0.0.1:8001 --prompt-tokens 471 --max-tokens 192 --pairs 16 \\
+        --out perf/results/pa_paged
 """
 from __future__ import annotations
 
@@ -13,16 +16,26 @@ import subprocess
 import sys
 from pathlib import Path
 
-from client.stream import stream_grpc
 from client.workload import Workload
 from perf import compare
 from perf.common import ROOT
 
+FLAGS = ("return_cached_tokens", "return_num_input_tokens", "return_decode_timing")
+
 
 def input_data(prompts: list[list[int]], params: dict) -> dict:
     return {"data": [{"input_ids": {"content": p, "shape": [len(p)]}, "stream": [True],
-                      "sampling_parameters": [json.dumps(params)], "return_cached_tokens": [True],
-                      "return_num_input_tokens": [True]} for p in prompts]}
+                      "sampling_parameters": [json.dumps(params)], **{flag: [True] for flag in FLAGS}}
+                     for p in prompts]}
+
+
+def interleaved(w: Workload, pairs: int) -> list[list[int]]:
+    """MISS, HIT(of that MISS), MISS, HIT, ...: fresh prompts, none repeating within the workload."""
+    prompts = []
+    for _ in range(pairs):
+        miss = w.miss()
+        prompts += [miss, w.hit(miss)]
+    return prompts
 
 
 def perf_analyzer(url: str, model: str, data: Path, export: Path, requests: int, version: str = "1") -> bool:
@@ -41,15 +54,13 @@ def perf_analyzer(url: str, model: str, data: Path, export: Path, requests: int,
     return export.exists() and export.stat().st_size > 0
 
 
-def profile(args: argparse.Namespace, w: Workload, prefix: list[int], kind: str, requests: int, params: dict,
-            export: Path, tries: int = 3) -> dict:
-    """perf_analyzer's export of `requests` MISS or HIT requests. An empty export is run again, on fresh prompts
-    (the last try's may be cached now)."""
-    out = export.parent
+def profile(args: argparse.Namespace, w: Workload, pairs: int, params: dict, export: Path, tries: int = 3) -> dict:
+    """perf_analyzer's export of `pairs` interleaved MISS/HIT pairs. An empty export is run again, on fresh prompts
+    (the last try's are cached now)."""
+    data = export.with_name(export.stem + "_input.json")
     for _ in range(tries):
-        prompts = [w.miss() if kind == "miss" else w.hit(prefix) for _ in range(3 * requests)]   # 3x spare
-        (out / f"pa_input_{kind}.json").write_text(json.dumps(input_data(prompts, params)))
-        if perf_analyzer(args.url, args.model, out / f"pa_input_{kind}.json", export, requests, args.model_version):
+        data.write_text(json.dumps(input_data(interleaved(w, pairs), params)))
+        if perf_analyzer(args.url, args.model, data, export, 2 * pairs, args.model_version):
             return json.loads(export.read_text())
         print(f"perf_analyzer exited 0 but left {export.name} empty; running it again", file=sys.stderr)
     raise SystemExit(f"perf_analyzer left {export} empty {tries} times")
@@ -63,8 +74,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--hit-suffix", type=int, default=23)
     ap.add_argument("--max-tokens", type=int, default=512)
-    ap.add_argument("--requests", type=int, default=8, help="requests per kind, split over the rounds")
-    ap.add_argument("--rounds", type=int, default=2, help="alternating MISS/HIT perf_analyzer runs")
+    ap.add_argument("--pairs", type=int, default=8, help="MISS/HIT pairs measured, after the warm-up pairs")
+    ap.add_argument("--warmup", type=int, default=1, help="pairs run first and left out")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--vocab-high", type=int, default=900)
     ap.add_argument("--out", default=str(ROOT / "perf/results"))
@@ -73,14 +84,8 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     params = {"max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
     w = Workload(args.prompt_tokens, args.hit_suffix, args.seed, high=args.vocab_high)
-    prefix = w.miss()
-    stream_grpc(args.url, args.model, prefix, params)            # warm the shared prefix
-    per_round = max(1, args.requests // args.rounds)
-    exports: dict[str, list[dict]] = {"miss": [], "hit": []}
-    for i in range(args.rounds):
-        for kind in ("miss", "hit"):    # fresh prompts each round: none repeats within the run
-            exports[kind].append(profile(args, w, prefix, kind, per_round, params, out / f"pa_{kind}_{i}.json"))
-    result = compare.compare(exports["miss"], exports["hit"])
+    export = profile(args, w, args.warmup + args.pairs, params, out / "pa_run.json")
+    result = compare.compare(export, args.warmup)
     print(compare.table(result))
     compare.plot(result, str(out / "pa_hit_vs_miss.png"))
     (out / "pa_compare.json").write_text(json.dumps(result, indent=2))

@@ -55,6 +55,7 @@ class Engine:
         self.cancels: deque[int] = deque()
         self.steps = 0
         self.failpoints = config.failpoints
+        self.hit_delay = config.hit_decode_delay
         self._gauges()                  # every series exists before the first request: the pool's size, free
 
     def _storage(self) -> KVStorage:
@@ -196,6 +197,8 @@ class Engine:
         batch = self._reserve()
         before = self.lookahead.pipelined
         results = self.lookahead.tick(batch, self._decode_row)
+        if self.hit_delay and any(r.num_cached > 0 for r in batch):
+            time.sleep(self.hit_delay)          # the hit-only decode penalty failpoint (config.hit_decode_delay)
         self.recorder.decode_tick(batch, time.thread_time() - started, self.lookahead.pipelined - before)
         for req, token, lp in results:
             self._commit(req, token, lp)

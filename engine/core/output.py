@@ -36,12 +36,16 @@ class Delta:
     cumulative_logprob: float | None = None            # over all tokens so far, when logprobs were asked for
     index: int = 0                                     # the sequence (parallel sampling, n > 1)
     prompt_logprobs: list[PositionLogprobs | None] | None = None    # on the request's first delta, when asked
+    # the engine's timing of this sequence's decode (Request.decode_timing), on its last delta
+    decode_tok_s: float | None = None
+    decode_cpu_ms: float | None = None
 
     def __reduce__(self):
         # Pickled per token across the process boundary: positional fields, not a slot-state dict.
         return Delta, (self.request_id, self.token_ids, self.text, self.finished, self.finish_reason, self.error,
                        self.num_prompt_tokens, self.num_output_tokens, self.cached_tokens, self.logprobs,
-                       self.cumulative_logprob, self.index, self.prompt_logprobs)
+                       self.cumulative_logprob, self.index, self.prompt_logprobs, self.decode_tok_s,
+                       self.decode_cpu_ms)
 
 
 class Output:
@@ -90,6 +94,8 @@ class Output:
             delta.logprobs, delta.cumulative_logprob = req.logprobs[req.sent_ids:], req.cumulative_logprob
         if req.prompt_logprobs is not None and req.sent_ids == 0:
             delta.prompt_logprobs = req.prompt_logprobs
+        if final and (timing := req.decode_timing()):
+            delta.decode_tok_s, delta.decode_cpu_ms = timing
         req.sent_ids, req.sent_text = len(req.output_ids), end
         return delta
 

@@ -63,12 +63,11 @@ class Recorder:
         m, now, reason = self.metrics, time.monotonic(), req.finish_reason
         if table is not None:
             m.count_table(*table)
-        n = len(req.output_ids)
-        decode, cpu = 0.0, 1000 * req.decode_cpu / max(1, n - 1)
-        if n > 1 and req.last_token_at > req.first_token_at:
-            per_token = (req.last_token_at - req.first_token_at) / (n - 1)
-            m.observe("pagoda_time_per_output_token_seconds", per_token)
-            decode = 1.0 / per_token
+        decode, cpu = req.decode_timing() or (0.0, 0.0)
+        if decode:
+            m.observe("pagoda_time_per_output_token_seconds", 1.0 / decode)
+            m.observe("pagoda_decode_cpu_seconds_per_output_token", cpu / 1000)
+            m.observe("vllm:request_decode_time_seconds", req.last_token_at - req.first_token_at)
         seqs = req.group or [req]
         if not all(s.finished or s is req for s in seqs):
             return

@@ -88,3 +88,11 @@ class Request:
     @property
     def in_flight(self) -> int:
         return self.num_allocated - self.num_computed
+
+    def decode_timing(self) -> tuple[float, float] | None:
+        """The engine's view of its decode: (tokens per second from its first sampled token to its last, engine-thread
+        CPU ms per token after the first); None before a second token."""
+        n = len(self.output_ids)
+        if n < 2 or self.last_token_at <= self.first_token_at:
+            return None
+        return (n - 1) / (self.last_token_at - self.first_token_at), 1000 * self.decode_cpu / (n - 1)

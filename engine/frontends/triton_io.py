@@ -9,9 +9,10 @@ import numpy as np
 from engine.core.output import PositionLogprobs
 from engine.core.sampling import SamplingParams
 
-EXTRAS = {"return_finish_reason": "finish_reason", "return_cumulative_logprob": "cumulative_logprob",
-          "return_logprobs": "logprobs", "return_num_input_tokens": "num_input_tokens",
-          "return_num_output_tokens": "num_output_tokens", "return_cached_tokens": "cached_tokens"}
+EXTRAS = {"return_finish_reason": ("finish_reason",), "return_cumulative_logprob": ("cumulative_logprob",),
+          "return_logprobs": ("logprobs",), "return_num_input_tokens": ("num_input_tokens",),
+          "return_num_output_tokens": ("num_output_tokens",), "return_cached_tokens": ("cached_tokens",),
+          "return_decode_timing": ("decode_tok_s", "decode_cpu_ms")}        # the last one is Pagoda's own
 
 INPUTS = [  # name, data_type, dims, optional
     ("text_input", "TYPE_STRING", [1], True), ("input_ids", "TYPE_INT32", [-1], True),
@@ -25,6 +26,7 @@ OUTPUTS = [
     ("logprobs", "TYPE_STRING", [-1]),
     ("num_input_tokens", "TYPE_UINT32", [1]), ("num_output_tokens", "TYPE_UINT32", [-1]),
     ("cached_tokens", "TYPE_UINT32", [1]),
+    ("decode_tok_s", "TYPE_FP32", [-1]), ("decode_cpu_ms", "TYPE_FP32", [-1]),
 ]
 
 
@@ -87,7 +89,7 @@ def parse(inputs: dict[str, np.ndarray]) -> TritonRequest:
     if stream and exclude is False:
         raise ValueError("exclude_input_in_output: false is not allowed when streaming")
     prepend = exclude is False or (exclude is None and not stream and text is not None)
-    extras = [out for flag, out in EXTRAS.items() if _flag(inputs, flag)]
+    extras = [out for flag, outs in EXTRAS.items() if _flag(inputs, flag) for out in outs]
     return TritonRequest(prompt, params, stream, prepend and text is not None, extras)
 
 
@@ -104,6 +106,7 @@ class Part:
     finish_reason: str | None = None
     logprobs: list[PositionLogprobs] | None = None
     cumulative: float | None = None
+    timing: tuple[float, float] | None = None      # the engine's (decode tok/s, CPU ms per token), once ended
 
 
 def outputs(parts: list[Part], extras: list[str], num_input: int, cached: int) -> dict[str, np.ndarray]:
@@ -113,7 +116,10 @@ def outputs(parts: list[Part], extras: list[str], num_input: int, cached: int) -
     counts the sequence's tokens in this response, so a client that sums them gets the total; logprobs is the JSON
     of this response's positions ([{token id: {logprob, rank, decoded_token}}], "null" when the request did not ask
     for logprobs); cumulative_logprob is the sum over all tokens so far (NaN when it did not ask, as vLLM V1
-    reports None). output_ids (Pagoda's) is the sequences' ids of this response, concatenated in index order."""
+    reports None). output_ids (Pagoda's) is the sequences' ids of this response, concatenated in index order.
+    decode_tok_s and decode_cpu_ms (Pagoda's, return_decode_timing) are the engine's own measure of each sequence's
+    decode, from its first sampled token to its last, free of the transport: 0 until the sequence ends (and for one
+    of fewer than two tokens); not NaN, which perf_analyzer's profile export cannot write."""
     def strings(values: list[str]) -> np.ndarray:
         return np.array([v.encode("utf-8") for v in values], dtype=np.object_)
     out = {"text_output": strings([p.text for p in parts]),
@@ -124,7 +130,9 @@ def outputs(parts: list[Part], extras: list[str], num_input: int, cached: int) -
               "cached_tokens": lambda: np.array([cached], dtype=np.uint32),
               "cumulative_logprob": lambda: np.array([np.nan if p.cumulative is None else p.cumulative
                                                       for p in parts], dtype=np.float32),
-              "logprobs": lambda: strings([logprobs_json(p.logprobs) for p in parts])}
+              "logprobs": lambda: strings([logprobs_json(p.logprobs) for p in parts]),
+              "decode_tok_s": lambda: np.array([p.timing[0] if p.timing else 0.0 for p in parts], np.float32),
+              "decode_cpu_ms": lambda: np.array([p.timing[1] if p.timing else 0.0 for p in parts], np.float32)}
     out.update({name: values[name]() for name in extras})
     return out
 

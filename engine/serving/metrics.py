@@ -67,6 +67,7 @@ class Metrics:
         self.queue_depth = Gauge("pagoda_queue_depth", "Requests waiting", registry=r)
         self.buckets = {"pagoda_time_to_first_token_seconds": LATENCY,
                         "pagoda_time_per_output_token_seconds": PER_TOKEN,
+                        "pagoda_decode_cpu_seconds_per_output_token": PER_TOKEN,
                         "pagoda_e2e_request_latency_seconds": LATENCY}
         self.histograms = {
             "pagoda_time_to_first_token_seconds": Histogram(
@@ -74,6 +75,9 @@ class Metrics:
             "pagoda_time_per_output_token_seconds": Histogram(
                 "pagoda_time_per_output_token_seconds", "Mean time per output token after the first, per request",
                 buckets=PER_TOKEN, registry=r),
+            "pagoda_decode_cpu_seconds_per_output_token": Histogram(
+                "pagoda_decode_cpu_seconds_per_output_token", "Engine-thread CPU time of a request's decode ticks "
+                "(its share of each) per output token after the first, per request", buckets=PER_TOKEN, registry=r),
             "pagoda_e2e_request_latency_seconds": Histogram(
                 "pagoda_e2e_request_latency_seconds", "Request latency", buckets=LATENCY, registry=r),
         }
@@ -216,7 +220,9 @@ class VllmSeries:
         for name, doc, buckets in (
                 ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", VLLM_TTFT),
                 ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", VLLM_ITL),
-                ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", VLLM_E2E)):
+                ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", VLLM_E2E),
+                ("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+                 VLLM_E2E)):
             family = Histogram(name, doc, list(self.labels), buckets=buckets, registry=metrics.registry)
             metrics.histograms[name] = family.labels(**self.labels)
             metrics.buckets[name] = buckets

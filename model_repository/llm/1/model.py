@@ -178,11 +178,15 @@ class TritonPythonModel:
             return TritonPythonModel._error(d.error or "request aborted", pb_utils.TritonError.INTERNAL)
         part = stream.parts[d.index]
         part.finish_reason, part.cumulative = d.finish_reason, d.cumulative_logprob
+        if d.decode_tok_s is not None:
+            part.timing = (d.decode_tok_s, d.decode_cpu_ms)
         if stream.req.stream:
             parts = [triton_io.Part(finish_reason=p.finish_reason, cumulative=p.cumulative,
-                                    logprobs=None if p.cumulative is None else []) for p in stream.parts]
-            # the other sequences' elements: nothing new, their finish reason and logprob sum so far
-            parts[d.index] = triton_io.Part(d.text, d.token_ids, d.finish_reason, d.logprobs, d.cumulative_logprob)
+                                    logprobs=None if p.cumulative is None else [], timing=p.timing)
+                     for p in stream.parts]
+            # the other sequences' elements: nothing new, their finish reason, logprob sum and timing so far
+            parts[d.index] = triton_io.Part(d.text, d.token_ids, d.finish_reason, d.logprobs, d.cumulative_logprob,
+                                            part.timing)
         else:
             part.text += d.text
             part.ids.extend(d.token_ids)
@@ -191,7 +195,7 @@ class TritonPythonModel:
             if not d.finished:
                 return None
             prefix = stream.req.prompt if stream.req.prepend_input else ""
-            parts = [triton_io.Part(prefix + p.text, p.ids, p.finish_reason, p.logprobs, p.cumulative)
+            parts = [triton_io.Part(prefix + p.text, p.ids, p.finish_reason, p.logprobs, p.cumulative, p.timing)
                      for p in stream.parts]
         arrays = triton_io.outputs(parts, stream.req.extras, d.num_prompt_tokens, d.cached_tokens)
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in arrays.items()])
@@ -200,14 +204,14 @@ class TritonPythonModel:
         if stream.closed:               # cancelled meanwhile: its error response was the final one
             return
         stream.closed = bool(flags)
+        if flags:
+            self.mirror.sync()          # first: a client that scrapes on a FINAL response sees its request counted
         try:
             stream.sender.send(response, flags=flags)
         except Exception:
             log.exception("could not send a response")
             stream.closed = True
             self._cancel(stream)
-        if flags:
-            self.mirror.sync()
 
     def _reap_cancelled(self) -> None:
         for stream in list(self.active):
