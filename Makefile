@@ -37,12 +37,13 @@ serve: setup
 	$(PY) -m scripts.tritonserver --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
 	  --metrics-port $(METRICS_PORT) -- $(TRITON_ARGS)
 
-# Full length: 512-token prompts, 512 new tokens, 7 pairs, concurrency 1,2,4; then the same on qwen2.5-0.5b.
+# Full length: 512-token prompts, 512 new tokens, 12 pairs of each source, concurrency 1,2,4; then the same on
+# qwen2.5-0.5b.
 bench: setup
-	$(PY) -m perf.main_job --prompt-tokens 512 --max-tokens 512 --pairs 7 --concurrency 1,2,4 \
-	  --perf-requests 8 --out perf/results/full-small
+	$(PY) -m perf.main_job --prompt-tokens 512 --max-tokens 512 --pairs 12 --settle 0 --deadline 0 \
+	  --concurrency 1,2,4 --perf-pairs 12 --out perf/results/full-small
 	$(PY) -m perf.main_job --preset qwen2.5-0.5b --dtype float32 --prompt-tokens 512 --max-tokens 512 \
-	  --pairs 7 --concurrency 1,2,4 --perf-requests 8 --out perf/results/full-qwen2.5-0.5b
+	  --pairs 12 --settle 0 --deadline 0 --concurrency 1,2,4 --perf-pairs 12 --out perf/results/full-qwen2.5-0.5b
 
 # Reliability soak (not part of `make test`, which runs a 30-second one): tritonserver with the default model,
 # 8 clients mixing hits, misses, cancels and bad inputs, and SOAK_KILLS (3) SIGKILLs of the engine process at random

@@ -138,9 +138,19 @@ class Bench:
         return (results, steps / len(prompts), 1000 * cpu / max(1, decoded),
                 consecutive / pairs if pairs else float("nan"))
 
+    def settled(self, samples: list[Sample], concurrency: int, started: float) -> bool:
+        """--settle: the engine's hit/miss interval is that narrow (after --min-pairs); --deadline: time is up."""
+        a = self.args
+        if a.deadline and time.monotonic() - started > a.deadline:
+            return True
+        r = ratio(pairs(samples, concurrency, "engine_decode_tok_s"))
+        return bool(a.settle) and r.n >= a.min_pairs and r.half_width <= a.settle
+
     def run(self, concurrency: int, workload: Workload, progress) -> list[Sample]:
-        a, out = self.args, []
+        a, out, started = self.args, [], time.monotonic()
         for pair in range(a.warmup + a.pairs):
+            if pair > a.warmup and a.mode == "alternate" and self.settled(out, concurrency, started):
+                break
             kinds = ["miss", "hit"] if a.mode == "alternate" else [a.mode]
             misses = [workload.miss() for _ in range(concurrency)]
             for kind in kinds:
@@ -168,7 +178,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hit-suffix", type=int, default=23, help="tokens a HIT prompt does not share")
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--mode", choices=["alternate", "hit", "miss"], default="alternate")
-    ap.add_argument("--pairs", type=int, default=7)
+    ap.add_argument("--pairs", type=int, default=7, help="pairs per level (the most, with --settle or --deadline)")
+    ap.add_argument("--settle", type=float, default=0.0, help="alternate: stop a level once the engine's hit/miss "
+                    "interval's half width is at most this fraction (0: run every pair)")
+    ap.add_argument("--min-pairs", type=int, default=12, help="--settle: pairs before it may stop")
+    ap.add_argument("--deadline", type=float, default=0.0, help="seconds per level after which no pair starts "
+                    "(0: none)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--cooldown", type=float, default=0.0, help="seconds between groups")
     ap.add_argument("--seed", type=int, default=None)

@@ -42,7 +42,8 @@ def one_storage(name: str, args: argparse.Namespace, out: Path) -> dict:
         report = bench.main(["--url", server.grpc_url, "--metrics-url", server.metrics_url,
                              "--concurrency", concurrency, "--prompt-tokens", str(args.prompt_tokens),
                              "--max-tokens", str(args.max_tokens), "--pairs", str(args.pairs), "--mode", "alternate",
-                             "--warmup", str(args.warmup),
+                             "--warmup", str(args.warmup), "--settle", str(args.settle),
+                             "--min-pairs", str(args.min_pairs), "--deadline", str(args.deadline),
                              "--json", str(out / f"bench_{name}.json"), "--plot", str(out / f"bench_{name}.png"),
                              "--title", f"{name}: alternate hit/miss through Triton gRPC streaming"])
         print(f"-- {name}: perf_analyzer, {args.perf_pairs} interleaved pairs", flush=True)
@@ -99,8 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--storages", default="paged,dense", help="comma-separated, of: " + ", ".join(STORAGES))
     ap.add_argument("--prompt-tokens", type=int, default=471)
     ap.add_argument("--max-tokens", type=int, default=192)
-    ap.add_argument("--pairs", type=int, default=12, help="bench pairs at each concurrency")
-    ap.add_argument("--perf-pairs", type=int, default=12, help="perf_analyzer's interleaved pairs")
+    ap.add_argument("--pairs", type=int, default=80, help="bench pairs at each concurrency, at most")
+    ap.add_argument("--settle", type=float, default=0.015, help="the bench stops a level once the engine's "
+                    "hit/miss interval is this narrow (half width; 0: every pair)")
+    ap.add_argument("--min-pairs", type=int, default=16, help="bench pairs before --settle may stop it")
+    ap.add_argument("--deadline", type=float, default=100, help="seconds per bench level after which no pair "
+                    "starts (0: none)")
+    ap.add_argument("--perf-pairs", type=int, default=16, help="perf_analyzer's interleaved pairs")
     ap.add_argument("--warmup", type=int, default=1, help="pairs each source runs first and leaves out")
     ap.add_argument("--concurrency", default="1", help="bench levels for paged storage (dense runs at 1)")
     ap.add_argument("--tolerance", type=float, default=TOLERANCE,
@@ -123,8 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     calls = verdicts(results, args.tolerance)
     lines = "\n".join(v["line"] for v in calls.values())
     print(f"\n== summary: prompt {args.prompt_tokens} tokens (HIT shares all but 23), {args.max_tokens} new tokens, "
-          f"greedy; bench {args.pairs} alternate pairs, perf_analyzer {args.perf_pairs} interleaved pairs, each after "
-          f"{args.warmup} warm-up pair; medians (min-max); hit/miss: median of per-pair ratios (95% CI)\n{text}\n"
+          f"greedy; bench alternate pairs (until settled), perf_analyzer {args.perf_pairs} interleaved pairs, each "
+          f"after {args.warmup} warm-up pair; medians (min-max); hit/miss: per-pair ratios' trimmed mean (95% CI)"
+          f"\n{text}\n"
           f"\n== verdict (concurrency-1 pairs of both sources; engine: the engine's own first-to-last token timing)"
           f"\n{lines}")
     print(f"\nwall time {time.monotonic() - started:.0f}s; JSON and plots in {out}")

@@ -25,6 +25,7 @@ from engine.core.engine import Engine
 from engine.core.sampling import SamplingParams
 from engine.kernels import reference
 from perf.common import table
+from perf.verdict import ratio
 
 SPENT: Counter[str] = Counter()          # seconds inside each op during the current tick
 
@@ -114,9 +115,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(table(["kind", *columns, "cached"],
                 [[kind, *(f"{summary[kind][c]:.3f}" for c in columns), f"{summary[kind]['cached']:.0f}"]
                  for kind in rows]))
-    for key in ("tick", "cpu"):
-        ratio = summary[f"{key}_ratio"] = statistics.median(h[key] / m[key] for m, h in zip(rows["miss"], rows["hit"]))
-        print(f"hit/miss {key} time, median of pairs: {ratio:.3f}")
+    for key in [*columns]:
+        r = ratio([(m[key], h[key]) for m, h in zip(rows["miss"], rows["hit"]) if key in m and key in h])
+        summary[f"{key}_ratio"] = r.as_dict()
+        print(f"hit/miss {key} time per tick, per-pair ratios' trimmed mean (95% CI): {r}")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))
     return summary

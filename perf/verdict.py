@@ -1,20 +1,37 @@
 """Hit vs miss, settled: a paired ratio with its 95% interval, and the one-line verdict the main job ends with.
 
 Each pair is a MISS and a HIT run back to back (the bench's groups, or neighbouring perf_analyzer requests), so
-drift on a shared machine falls on both; the ratio is the median of the per-pair hit/miss ratios, its interval
-the percentile bootstrap of that median. The verdict reads the interval against a tolerance: inside it, hit and
-miss decode are equal within the interval's width; wholly outside it, one is slower; otherwise, unsettled.
+drift on a shared machine falls on both. The ratio is the 20%-trimmed mean of the per-pair log ratios, exponentiated:
+a stray pair (a burst of load from another tenant of the host) moves it no more than it moves a median, and it is
+tighter than the median of the same pairs. Its interval is the percentile bootstrap of that estimate. The verdict
+reads the interval against a tolerance: inside it, hit and miss decode are equal within the interval's reach;
+wholly outside it, one is slower; otherwise, unsettled.
 """
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from perf.common import bootstrap_interval
-
 TOLERANCE = 0.03        # the product's promise: hit decode within 3% of miss decode
+TRIM = 0.2              # of the per-pair log ratios, cut from each end
+
+
+def center(logs: Sequence[float]) -> float:
+    """The trimmed mean of log ratios."""
+    s = sorted(logs)
+    k = int(len(s) * TRIM)
+    return statistics.fmean(s[k:len(s) - k])
+
+
+def interval(logs: Sequence[float], level: float = 0.95, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of `center`."""
+    rng = random.Random(seed)
+    est = sorted(center(rng.choices(logs, k=len(logs))) for _ in range(resamples))
+    tail = (1 - level) / 2
+    return est[int(tail * resamples)], est[min(resamples - 1, int((1 - tail) * resamples))]
 
 
 @dataclass(slots=True, frozen=True)
@@ -25,9 +42,14 @@ class Ratio:
     n: int              # pairs
 
     @property
-    def half_width(self) -> float:
+    def reach(self) -> float:
         """The interval's farthest reach from 1.0, as a fraction."""
         return max(abs(1 - self.lo), abs(self.hi - 1))
+
+    @property
+    def half_width(self) -> float:
+        """Half the interval's width, relative to the ratio: how settled it is, wherever it lies."""
+        return (self.hi - self.lo) / (2 * self.value) if self.n >= 2 else float("inf")
 
     def __str__(self) -> str:
         if self.n < 2:
@@ -44,13 +66,15 @@ class Ratio:
 
 
 def ratio(pairs: Sequence[tuple[float, float]]) -> Ratio:
-    """(miss, hit) measurements of one quantity per pair -> the median hit/miss ratio and its interval. Pairs with
-    a missing side (NaN) are left out."""
-    ratios = [h / m for m, h in pairs if m > 0 and not math.isnan(m) and not math.isnan(h)]
-    if not ratios:
+    """(miss, hit) measurements of one quantity per pair -> the hit/miss ratio and its interval. Pairs with a
+    missing side (NaN, or not positive) are left out."""
+    logs = [math.log(h / m) for m, h in pairs if m > 0 and h > 0]     # NaN compares False: left out too
+    if not logs:
         return Ratio(float("nan"), float("nan"), float("nan"), 0)
-    lo, hi = bootstrap_interval(ratios)
-    return Ratio(statistics.median(ratios), lo, hi, len(ratios))
+    if len(logs) == 1:
+        return Ratio(math.exp(logs[0]), float("nan"), float("nan"), 1)
+    lo, hi = interval(logs)
+    return Ratio(math.exp(center(logs)), math.exp(lo), math.exp(hi), len(logs))
 
 
 def call(r: Ratio, tolerance: float = TOLERANCE) -> str:
@@ -72,7 +96,7 @@ def sentence(r: Ratio, tolerance: float = TOLERANCE) -> str:
     match call(r, tolerance):
         case "equal":
             side = "" if r.lo <= 1 <= r.hi else (", hit slower" if r.hi < 1 else ", hit faster")
-            return f"hit decode = miss decode within ±{100 * r.half_width:.1f}% ({ci}{side})"
+            return f"hit decode = miss decode within ±{100 * r.reach:.1f}% ({ci}{side})"
         case "slower":
             return f"hit decode is slower: {r.value:.3f} ({ci})"
         case "faster":

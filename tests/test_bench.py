@@ -10,7 +10,7 @@ import pytest
 from client.stream import Result, _apply
 from client.workload import NONCE, Workload
 from perf import compare
-from perf.bench_serving import Sample, paired_ratio, summarize, table
+from perf.bench_serving import Sample, pairs, summarize, table
 from perf.common import bootstrap_interval
 
 DATA = Path(__file__).parent / "data"
@@ -27,28 +27,31 @@ def test_decode_rate_uses_token_arrival_times():
 
 def sample(kind: str, pair: int, rate: float, ttft: float, c: int = 1, cpu: float = 5.0) -> Sample:
     return Sample(c, pair, kind, ttft, rate, 100, 471, 448 if kind == "hit" else 0, 98.0, cpu,
-                  0.95 if kind == "hit" else 1.0)
+                  0.95 if kind == "hit" else 1.0, None, rate * 1.01, cpu)
 
 
-def test_summary_medians_ranges_and_ratios():
+def test_summary_medians_ranges_and_ratios_with_intervals():
     samples = [sample("miss", 0, 100, 0.2), sample("hit", 0, 99, 0.02, cpu=4.8), sample("miss", 1, 110, 0.3),
                sample("hit", 1, 112, 0.03, cpu=4.9), sample("miss", 2, 90, 0.25), sample("hit", 2, 90, 0.025)]
     s = summarize(samples)[1]
     assert s["miss"]["decode_tok_s"] == [100, 90, 110]
+    assert s["hit"]["engine_decode_tok_s"] == pytest.approx([99.99, 90.9, 113.12])
     assert s["hit"]["ttft_ms"] == pytest.approx([25, 20, 30])
-    assert s["decode_ratio"] == pytest.approx(99 / 100)
-    assert s["ttft_ratio"] == pytest.approx(25 / 250)
-    assert s["paired_decode_ratio"] == pytest.approx(sorted([0.99, 112 / 110, 1.0])[1])
+    logs = sorted(math.log(r) for r in (0.99, 112 / 110, 1.0))
+    assert s["client_decode"]["value"] == pytest.approx(math.exp(sum(logs) / 3))     # 3 pairs: nothing trimmed
+    assert s["engine_decode"]["value"] == pytest.approx(s["client_decode"]["value"])
+    lo, hi = s["client_decode"]["ci95"]
+    assert lo <= s["client_decode"]["value"] <= hi and s["client_decode"]["pairs"] == 3
+    assert s["engine_cpu"]["value"] == pytest.approx(math.exp((math.log(0.96) + math.log(0.98)) / 3))
     assert s["hit"]["cached"] == 448 and s["hit"]["prompt_tokens"] == 471
-    assert s["decode_cpu_ratio"] == pytest.approx(4.9 / 5.0)
-    assert s["hit"]["contiguity"] == pytest.approx(0.95) and "0.950" in table({1: s})
-    assert "448/471" in table({1: s})
+    text = table({1: s})
+    assert "448/471" in text and "0.950" in text and f"engine decode {s['engine_decode']['value']:.3f} (" in text
 
 
-def test_paired_ratio_averages_within_a_pair():
+def test_pairs_average_within_a_pair():
     samples = [sample("miss", 0, 100, 0.1, c=2), sample("miss", 0, 200, 0.1, c=2),
                sample("hit", 0, 150, 0.1, c=2), sample("hit", 0, 150, 0.1, c=2)]
-    assert paired_ratio(samples, 2) == pytest.approx(1.0)
+    assert pairs(samples, 2, "decode_tok_s") == [(150, 150)]
 
 
 def test_bootstrap_interval_brackets_the_median_and_shrinks_with_agreement():
@@ -75,19 +78,40 @@ def test_miss_prompts_never_share_a_block_and_hits_share_the_intended_prefix():
     assert NONCE < 471
 
 
-def test_compare_recorded_perf_analyzer_exports(tmp_path):
+def interleave(miss: dict, hit: dict) -> dict:
+    """One export whose requests alternate MISS, HIT (as perf_hit_miss's input data makes them), from two recorded
+    exports; each HIT is moved to just after its MISS, its timestamps shifted alike."""
+    requests = []
+    for m, h in zip(miss["experiments"][0]["requests"], hit["experiments"][0]["requests"]):
+        shift = m["response_timestamps"][-1] + 1000 - h["timestamp"]
+        h = {**h, "timestamp": h["timestamp"] + shift,
+             "response_timestamps": [t + shift for t in h["response_timestamps"]]}
+        for r in (m, h):        # the engine's own timing rides on the last response
+            requests.append(r)
+            r["response_outputs"][-1] = {**r["response_outputs"][-1], "decode_tok_s": 100.0 + len(requests),
+                                         "decode_cpu_ms": 2.0}
+    return {"experiments": [{"requests": requests}]}
+
+
+def test_compare_pairs_an_interleaved_perf_analyzer_export(tmp_path):
     miss = json.loads((DATA / "pa_miss.json").read_text())
     hit = json.loads((DATA / "pa_hit.json").read_text())
-    c = compare.compare(miss, hit)
-    first = hit["experiments"][0]["requests"][0]
+    export = interleave(miss, hit)
+    c = compare.compare(export)
+    first = export["experiments"][0]["requests"][1]
     ts = first["response_timestamps"]
+    assert len(c["miss"]) == len(c["hit"]) == 2
     assert c["hit"][0]["ttft_ms"] == pytest.approx((ts[0] - first["timestamp"]) / 1e6)
     assert c["hit"][0]["decode_tok_s"] == pytest.approx(4 / ((ts[-1] - ts[0]) / 1e9))
     assert c["hit"][0]["cached_tokens"] == 32 and c["miss"][0]["cached_tokens"] == 0
-    assert c["decode_ratio"] == pytest.approx(c["hit_decode_tok_s"][0] / c["miss_decode_tok_s"][0])
-    pooled = compare.compare([miss, miss], [hit])
-    assert len(pooled["miss"]) == 2 * len(c["miss"])
-    assert "hit/miss: decode" in compare.table(c)
+    assert [r["engine_decode_tok_s"] for r in c["miss"] + c["hit"]] == [101, 103, 102, 104]
+    assert c["engine_decode"]["pairs"] == 2 and c["engine_cpu"]["value"] == pytest.approx(1.0)
+    assert compare.compare(export, warmup=1)["engine_decode"]["pairs"] == 1
+    assert compare.compare([export, export])["engine_decode"]["pairs"] == 4
+    # a HIT whose MISS is missing (perf_analyzer's count cut the run) pairs with nothing
+    lone = {"experiments": [{"requests": export["experiments"][0]["requests"][1:]}]}
+    assert len(compare.compare(lone)["hit"]) == 1
+    assert "engine decode 1.0" in compare.table(c) and "(" in compare.table(c).splitlines()[-1]
     compare.plot(c, str(tmp_path / "plot.png"))
     assert (tmp_path / "plot.png").stat().st_size > 10_000
 
@@ -137,23 +161,27 @@ def test_bench_features_prints_each_feature_against_its_baseline(capsys):
 
 def test_an_empty_perf_analyzer_export_is_run_again_on_fresh_prompts(tmp_path, monkeypatch, capsys):
     """perf_analyzer 2.51 now and then exits 0 with its export empty: the run is repeated on new prompts (the
-    earlier try's may be cached by then), and a run that never writes one stops with the file named."""
+    earlier try's may be cached by then), and a run that never writes one stops with the file named. The input
+    alternates MISS and HIT, each HIT sharing all but its last tokens with the MISS before it."""
     from argparse import Namespace
 
     from perf import perf_hit_miss
     inputs, writes = [], iter(["", '{"experiments": []}'])
 
     def fake_run(url, model, data, export, requests, version="1"):
-        inputs.append(json.loads(data.read_text()))
+        inputs.append((json.loads(data.read_text()), requests))
         export.write_text(next(writes, ""))
         return export.stat().st_size > 0
     monkeypatch.setattr(perf_hit_miss, "perf_analyzer", fake_run)
     args = Namespace(url="u", model="llm", model_version="1")
     w = Workload(40, 8, seed=1)
-    got = perf_hit_miss.profile(args, w, w.miss(), "miss", 2, {"max_tokens": 4}, tmp_path / "pa_miss_0.json")
-    assert got == {"experiments": []} and len(inputs) == 2
-    first, second = ([d["input_ids"]["content"] for d in run["data"]] for run in inputs)
+    got = perf_hit_miss.profile(args, w, 3, {"max_tokens": 4}, tmp_path / "pa_run.json")
+    assert got == {"experiments": []} and len(inputs) == 2 and inputs[0][1] == 6
+    first, second = ([d["input_ids"]["content"] for d in run["data"]] for run, _ in inputs)
     assert len(first) == len(second) == 6 and not set(map(tuple, first)) & set(map(tuple, second))
-    assert "left pa_miss_0.json empty; running it again" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="left .*pa_hit_0.json empty 3 times"):
-        perf_hit_miss.profile(args, w, w.miss(), "hit", 2, {"max_tokens": 4}, tmp_path / "pa_hit_0.json")
+    for miss, hit in zip(first[::2], first[1::2]):
+        assert hit[:32] == miss[:32] and hit != miss and miss[0] not in {m[0] for m in first[::2] if m is not miss}
+    assert all(d["return_decode_timing"] == [True] for d in inputs[0][0]["data"])
+    assert "left pa_run.json empty; running it again" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="left .*pa_again.json empty 3 times"):
+        perf_hit_miss.profile(args, w, 2, {"max_tokens": 4}, tmp_path / "pa_again.json")

@@ -25,6 +25,24 @@ def stream(llm: LLM, prompt, params):
     return req, deltas
 
 
+def test_the_last_delta_carries_the_engines_decode_timing(llm):
+    """The engine's own view of a request's decode (first to last sampled token; its share of the decode ticks'
+    CPU), on the last delta only, and observed into the per-request histograms."""
+    m = llm.engine.metrics
+    before = [m.value(f"{name}_count") for name in ("pagoda_decode_cpu_seconds_per_output_token",
+                                                     "pagoda_time_per_output_token_seconds")]
+    req, deltas = stream(llm, "A serving engine reads a prompt", greedy(12))
+    assert all(d.decode_tok_s is None and d.decode_cpu_ms is None for d in deltas[:-1])
+    last = deltas[-1]
+    assert last.decode_tok_s == pytest.approx(11 / (req.last_token_at - req.first_token_at))
+    assert last.decode_cpu_ms == pytest.approx(1000 * req.decode_cpu / 11) and last.decode_cpu_ms > 0
+    after = [m.value(f"{name}_count") for name in ("pagoda_decode_cpu_seconds_per_output_token",
+                                                    "pagoda_time_per_output_token_seconds")]
+    assert after == [b + 1 for b in before]
+    _, one = stream(llm, "A serving engine reads a prompt", greedy(1))
+    assert one[-1].decode_tok_s is None                  # one token: no decode to time
+
+
 def test_stream_deltas_add_up(llm):
     req, deltas = stream(llm, "A serving engine reads a prompt", greedy(30))
     assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]

@@ -297,8 +297,12 @@ def test_hit_miss_benchmarks_against_server(server, tmp_path):
         assert row["hit"]["lookahead_steps"] > 0
     assert report["summary"][1]["hit"]["lookahead_steps"] == 4     # alone: 5 decode ticks, the first primes
     assert json.loads((tmp_path / "b.json").read_text())["samples"] and (tmp_path / "b.png").exists()
+    assert all(s["engine_decode_tok_s"] > 0 and s["engine_cpu_ms"] > 0 for s in report["samples"])
+    assert report["summary"][1]["engine_decode"]["pairs"] == 2
     pa = perf_hit_miss.main(["--url", server.grpc_url, "--prompt-tokens", "80", "--max-tokens", "5",
-                             "--requests", "2", "--rounds", "2", "--out", str(tmp_path / "pa")])
+                             "--pairs", "2", "--warmup", "1", "--out", str(tmp_path / "pa")])
     assert len(pa["miss"]) == 2 and len(pa["hit"]) == 2
     assert [r["cached_tokens"] for r in pa["hit"]] == [32, 32], pa["hit"]
     assert [r["cached_tokens"] for r in pa["miss"]] == [0, 0], pa["miss"]
+    assert all(r["engine_decode_tok_s"] > 0 for r in pa["miss"] + pa["hit"])      # perf_analyzer kept them
+    assert pa["engine_decode"]["pairs"] == 2 and pa["client_decode"]["pairs"] == 2

@@ -27,6 +27,16 @@ def test_parse_text_and_defaults():
     assert r.prompt == [1, 2, 3] and not r.prepend_input
 
 
+def test_decode_timing_outputs_are_the_engines_once_a_sequence_ends():
+    r = triton_io.parse({"text_input": s("hi"), "return_decode_timing": b(True)})
+    assert r.extras == ["decode_tok_s", "decode_cpu_ms"]
+    parts = [triton_io.Part(timing=(250.0, 3.5)), triton_io.Part()]         # n = 2: the second still runs
+    out = triton_io.outputs(parts, r.extras, 10, 0)
+    assert out["decode_tok_s"].tolist() == [250.0, 0.0] and out["decode_cpu_ms"].tolist() == [3.5, 0.0]
+    assert out["decode_tok_s"].dtype == np.float32
+    assert "decode_tok_s" not in triton_io.outputs(parts, [], 10, 0)      # only when asked
+
+
 @pytest.mark.parametrize("inputs,message", [
     ({}, "text_input: give exactly one of text_input and input_ids"),
     ({"text_input": s("a"), "input_ids": np.array([1], dtype=np.int32)}, "text_input: give exactly one"),
