@@ -188,6 +188,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cooldown", type=float, default=0.0, help="seconds between groups")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--vocab-high", type=int, default=900, help="prompt token ids are drawn from [3, this)")
+    ap.add_argument("--first-tokens", default="3:450", help="LO:HI, the range of MISS prompts' first tokens "
+                    "(disjoint from other workloads' on the same server)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--title", default="")
@@ -199,7 +201,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     bench = Bench(args)
-    workload = Workload(args.prompt_tokens, args.hit_suffix, args.seed, high=args.vocab_high)
+    workload = Workload(args.prompt_tokens, args.hit_suffix, args.seed, high=args.vocab_high,
+                        first=range(*map(int, args.first_tokens.split(":"))))
     per_group = 3 if args.mode == "hit" else (2 if args.mode == "alternate" else 1)
     total = sum(c * per_group * (args.warmup + args.pairs) for c in levels) - (
         sum(levels) * (args.warmup + args.pairs) if args.mode == "hit" else 0)

@@ -4,7 +4,8 @@ with the HIT that followed it; print medians and the paired hit/miss ratios with
 
     python -m perf.compare perf/results/pa_paged/pa_run_0.json [...] [--plot out.png] [--json out.json]
 TTFT = first token's response timestamp - request timestamp; decode = (tokens - 1) / (last - first token).
-A request is a HIT when the server reports cached tokens for it (return_cached_tokens), else a MISS.
+A request is a HIT when the server reports at least a quarter of its prompt cached (return_cached_tokens),
+else a MISS.
 """
 from __future__ import annotations
 
@@ -62,11 +63,15 @@ def per_request(export: dict) -> list[dict]:
 
 
 def pair_up(rows: list[dict]) -> list[tuple[dict, dict]]:
-    """(MISS, HIT) for each MISS immediately followed by a HIT, in request order."""
+    """(MISS, HIT) for each MISS immediately followed by a HIT, in request order. A HIT is a request that adopted at
+    least a quarter of its prompt: a MISS may adopt a first token on dense storage, whose prompt cache matches any
+    prefix."""
+    def hit(r: dict) -> bool:
+        return 4 * (r["cached_tokens"] or 0) >= (r["num_input_tokens"] or 1)
     pairs, i = [], 0
     while i + 1 < len(rows):
         a, b = rows[i], rows[i + 1]
-        if not a["cached_tokens"] and b["cached_tokens"]:
+        if not hit(a) and hit(b):
             pairs.append((a, b))
             i += 2
         else:

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle", type=float, default=0.015, help="the bench stops a level once the engine's "
                     "hit/miss interval is this narrow (half width; 0: every pair)")
     ap.add_argument("--min-pairs", type=int, default=16, help="bench pairs before --settle may stop it")
-    ap.add_argument("--deadline", type=float, default=125, help="seconds per bench level after which no pair "
+    ap.add_argument("--deadline", type=float, default=140, help="seconds per bench level after which no pair "
                     "starts (0: none)")
     ap.add_argument("--perf-pairs", type=int, default=16, help="perf_analyzer's interleaved pairs")
     ap.add_argument("--warmup", type=int, default=1, help="pairs each source runs first and leaves out")

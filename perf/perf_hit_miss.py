@@ -78,12 +78,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--warmup", type=int, default=1, help="pairs run first and left out")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--vocab-high", type=int, default=900)
+    ap.add_argument("--first-tokens", default="450:900", help="LO:HI, the range of MISS prompts' first tokens "
+                    "(disjoint from other workloads' on the same server)")
     ap.add_argument("--out", default=str(ROOT / "perf/results"))
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     params = {"max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
-    w = Workload(args.prompt_tokens, args.hit_suffix, args.seed, high=args.vocab_high)
+    w = Workload(args.prompt_tokens, args.hit_suffix, args.seed, high=args.vocab_high,
+                        first=range(*map(int, args.first_tokens.split(":"))))
     export = profile(args, w, args.warmup + args.pairs, params, out / "pa_run.json")
     result = compare.compare(export, args.warmup)
     print(compare.table(result))

@@ -4,8 +4,8 @@ Each pair is a MISS and a HIT run back to back (the bench's groups, or neighbour
 drift on a shared machine falls on both. The ratio is the 20%-trimmed mean of the per-pair log ratios, exponentiated:
 a stray pair (a burst of load from another tenant of the host) moves it no more than it moves a median, and it is
 tighter than the median of the same pairs. Its interval is the percentile bootstrap of that estimate. The verdict
-reads the interval against a tolerance: inside it, hit and miss decode are equal within the interval's reach;
-wholly outside it, one is slower; otherwise, unsettled.
+reads the interval against a tolerance (see `call`): as narrow as the tolerance and holding 1.0, hit and miss decode
+are equal within the interval's reach; wholly beyond it, one is slower; otherwise, unsettled.
 """
 from __future__ import annotations
 
@@ -78,14 +78,16 @@ def ratio(pairs: Sequence[tuple[float, float]]) -> Ratio:
 
 
 def call(r: Ratio, tolerance: float = TOLERANCE) -> str:
-    """equal | slower | faster | unsettled: what a decode-rate ratio's interval supports."""
+    """equal | slower | faster | unsettled: what a decode-rate ratio's interval supports. Equal: the interval is at
+    most +-tolerance wide and holds 1.0 (or lies within 1 +- tolerance). Slower or faster: it lies wholly beyond the
+    tolerance, so noise alone almost never calls a difference. Anything else: unsettled, more pairs needed."""
     if r.n < 2 or math.isnan(r.lo):
         return "unsettled"
     if r.hi < 1 - tolerance:
         return "slower"
     if r.lo > 1 + tolerance:
         return "faster"
-    if 1 - tolerance <= r.lo and r.hi <= 1 + tolerance:
+    if r.half_width <= tolerance and (r.lo <= 1 <= r.hi or r.reach <= tolerance):
         return "equal"
     return "unsettled"
 
@@ -103,7 +105,7 @@ def sentence(r: Ratio, tolerance: float = TOLERANCE) -> str:
             return f"hit decode is faster: {r.value:.3f} ({ci})"
     if r.n < 2:
         return f"unsettled: {r.value:.3f} from {r.n} pair"
-    return f"unsettled: {r.value:.3f} ({ci}) reaches past ±{100 * tolerance:.0f}%: more pairs needed"
+    return f"unsettled: {r.value:.3f} ({ci}) is wider than ±{100 * tolerance:.0f}% or misses 1.0: more pairs needed"
 
 
 def verdict(storage: str, engine: Ratio, client: Ratio, tolerance: float = TOLERANCE) -> str:

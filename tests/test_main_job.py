@@ -10,8 +10,8 @@ import pytest
 from perf import main_job
 from perf.verdict import Ratio, call, ratio, sentence, verdict
 
-SHORT = ["--preset", "tiny", "--storages", "paged", "--prompt-tokens", "80", "--max-tokens", "40", "--pairs", "20",
-         "--settle", "0", "--deadline", "0", "--perf-pairs", "10"]
+SHORT = ["--preset", "tiny", "--storages", "paged", "--prompt-tokens", "80", "--max-tokens", "40", "--pairs", "40",
+         "--settle", "0", "--deadline", "0", "--perf-pairs", "20"]
 
 
 def run(tmp_path, monkeypatch, delay_ms: str | None) -> dict:
@@ -30,7 +30,7 @@ def test_the_verdict_calls_a_hit_only_decode_penalty_slower_and_no_penalty_no_di
     engine = Ratio.of(slow["results"]["paged"]["pooled"]["engine"])
     assert slow["verdicts"]["paged"]["engine"] == "slower" and engine.hi < 1.0, slow["verdicts"]
     assert slow["verdicts"]["paged"]["client"] == "slower", slow["verdicts"]
-    assert engine.n == 20 + 10                 # the bench's pairs and perf_analyzer's, pooled
+    assert engine.n == 40 + 20                 # the bench's pairs and perf_analyzer's, pooled
     out = capsys.readouterr().out
     assert "paged: at the engine, hit decode is slower" in out
 
@@ -55,7 +55,9 @@ def test_the_verdict_reads_the_interval_against_the_tolerance():
     assert call(Ratio(1.0, 0.98, 1.02, 24)) == "equal"
     assert call(Ratio(0.91, 0.88, 0.94, 24)) == "slower"
     assert call(Ratio(1.1, 1.05, 1.15, 24)) == "faster"
-    assert call(Ratio(0.97, 0.93, 1.01, 24)) == "unsettled"
+    assert call(Ratio(1.009, 0.981, 1.037, 96)) == "equal"         # +-2.8% wide, holds 1.0: within +-3.7%
+    assert call(Ratio(0.97, 0.93, 1.01, 24)) == "unsettled"        # +-4% wide
+    assert call(Ratio(0.95, 0.935, 0.975, 24)) == "unsettled"      # narrow, but misses 1.0 and the band
     assert call(Ratio(1.0, 0.98, 1.02, 1)) == "unsettled"
     assert sentence(Ratio(0.99, 0.979, 1.021, 24)) == \
         "hit decode = miss decode within ±2.1% (95% CI 0.979-1.021, 24 pairs)"

@@ -24,6 +24,7 @@ DOCUMENTED = {
     "vllm:time_to_first_token_seconds": "histogram",
     "vllm:inter_token_latency_seconds": "histogram",
     "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:request_decode_time_seconds": "histogram",
 }
 
 
