@@ -167,6 +167,16 @@ class Bench:
         return out
 
 
+def stopping_flags(ap: argparse.ArgumentParser, pairs: int, settle: float, min_pairs: int, deadline: float) -> None:
+    """How many alternate pairs a level runs: --pairs at most, fewer once settled or past the deadline."""
+    ap.add_argument("--pairs", type=int, default=pairs, help="pairs per level (the most, with --settle or --deadline)")
+    ap.add_argument("--settle", type=float, default=settle, help="alternate: stop a level once the engine's "
+                    "hit/miss interval's half width is at most this fraction (0: run every pair)")
+    ap.add_argument("--min-pairs", type=int, default=min_pairs, help="--settle: pairs before it may stop")
+    ap.add_argument("--deadline", type=float, default=deadline, help="seconds per level after which no pair "
+                    "starts (0: none)")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="127.0.0.1:8001", help="triton: gRPC host:port; openai: HTTP host:port")
@@ -178,12 +188,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hit-suffix", type=int, default=23, help="tokens a HIT prompt does not share")
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--mode", choices=["alternate", "hit", "miss"], default="alternate")
-    ap.add_argument("--pairs", type=int, default=7, help="pairs per level (the most, with --settle or --deadline)")
-    ap.add_argument("--settle", type=float, default=0.0, help="alternate: stop a level once the engine's hit/miss "
-                    "interval's half width is at most this fraction (0: run every pair)")
-    ap.add_argument("--min-pairs", type=int, default=12, help="--settle: pairs before it may stop")
-    ap.add_argument("--deadline", type=float, default=0.0, help="seconds per level after which no pair starts "
-                    "(0: none)")
+    stopping_flags(ap, pairs=7, settle=0.0, min_pairs=12, deadline=0.0)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--cooldown", type=float, default=0.0, help="seconds between groups")
     ap.add_argument("--seed", type=int, default=None)
