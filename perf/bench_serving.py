@@ -101,7 +101,7 @@ def table(summary: dict, title: str = "") -> str:
                              f"{int(r['cached'])}/{int(r['prompt_tokens'])}", f"{r['lookahead_steps']:.0f}",
                              f"{r['contiguity']:.3f}"])
         if "engine_decode" in row:
-            notes.append(f"{c:>4} hit/miss, median of pairs (95% CI): " + "  ".join(
+            notes.append(f"{c:>4} hit/miss, trimmed mean of per-pair ratios (95% CI): " + "  ".join(
                 f"{label} {Ratio.of(row[name])}" for name, label in (
                     ("engine_decode", "engine decode"), ("client_decode", "client decode"),
                     ("engine_cpu", "engine CPU/token"), ("ttft", "TTFT"))))

@@ -111,7 +111,7 @@ def table(c: dict) -> str:
     notes = "  ".join(f"{label} {Ratio.of(c[name])}" for name, label in (
         ("engine_decode", "engine decode"), ("client_decode", "client decode"), ("engine_cpu", "engine CPU/token"),
         ("ttft", "TTFT")))
-    return text_table(header, rows) + f"\nhit/miss, median of pairs (95% CI): {notes}"
+    return text_table(header, rows) + f"\nhit/miss, trimmed mean of per-pair ratios (95% CI): {notes}"
 
 
 def plot(c: dict, path: str) -> None:
