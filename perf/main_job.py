@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--storages", default="paged,dense", help="comma-separated, of: " + ", ".join(STORAGES))
     ap.add_argument("--prompt-tokens", type=int, default=471)
     ap.add_argument("--max-tokens", type=int, default=192)
-    bench.stopping_flags(ap, pairs=400, settle=0.015, min_pairs=16, deadline=140)     # the bench's, per level
+    bench.stopping_flags(ap, pairs=400, settle=0.015, min_pairs=16, deadline=120)     # the bench's, per level
     ap.add_argument("--perf-pairs", type=int, default=16, help="perf_analyzer's interleaved pairs")
     ap.add_argument("--warmup", type=int, default=1, help="pairs each source runs first and leaves out")
     ap.add_argument("--concurrency", default="1", help="bench levels for paged storage (dense runs at 1)")
