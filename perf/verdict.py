@@ -36,7 +36,7 @@ def interval(logs: Sequence[float], level: float = 0.95, resamples: int = 2000, 
 
 @dataclass(slots=True, frozen=True)
 class Ratio:
-    value: float        # median of the per-pair ratios
+    value: float        # exp of the trimmed mean of the per-pair log ratios
     lo: float           # its 95% interval
     hi: float
     n: int              # pairs
