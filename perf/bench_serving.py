@@ -143,8 +143,10 @@ class Bench:
         a = self.args
         if a.deadline and time.monotonic() - started > a.deadline:
             return True
+        if not a.settle:
+            return False            # no interval to work out (a bootstrap, ~50 ms at 150 pairs)
         r = ratio(pairs(samples, concurrency, "engine_decode_tok_s"))
-        return bool(a.settle) and r.n >= a.min_pairs and r.half_width <= a.settle
+        return r.n >= a.min_pairs and r.half_width <= a.settle
 
     def run(self, concurrency: int, workload: Workload, progress) -> list[Sample]:
         a, out, started = self.args, [], time.monotonic()

@@ -77,15 +77,16 @@ def spread(values: Sequence[float]) -> list[float]:
     return [statistics.median(values), min(values), max(values)]
 
 
-def bootstrap_interval(values: Sequence[float], level: float = 0.95, resamples: int = 2000,
-                       seed: int = 0) -> tuple[float, float]:
-    """Percentile bootstrap interval of the median: how far a paired ratio could move on a rerun."""
+def bootstrap_interval(values: Sequence[float], level: float = 0.95, resamples: int = 2000, seed: int = 0,
+                       stat: Callable[[Sequence[float]], float] = statistics.median) -> tuple[float, float]:
+    """Percentile bootstrap interval of `stat` (the median unless named): how far a paired ratio could move on a
+    rerun."""
     if len(values) < 2:
         return float("nan"), float("nan")
     rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    estimates = sorted(stat(rng.choices(values, k=len(values))) for _ in range(resamples))
     tail = (1 - level) / 2
-    return medians[int(tail * resamples)], medians[min(resamples - 1, int((1 - tail) * resamples))]
+    return estimates[int(tail * resamples)], estimates[min(resamples - 1, int((1 - tail) * resamples))]
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[object]], left: int = 1) -> str:

@@ -29,11 +29,12 @@ def _count(ids) -> int:
 
 
 def _number(value) -> float:
-    """An output's value from the export (a scalar, a one-element list, or absent) as a float; NaN when absent."""
+    """A timing output's value from the export (a scalar, a one-element list, or absent) as a float; NaN when absent
+    or 0 (the engine's "not ended")."""
     if isinstance(value, list):
         value = value[0] if value else None
     try:
-        return float(value)
+        return float(value) or float("nan")
     except (TypeError, ValueError):
         return float("nan")
 
@@ -48,14 +49,12 @@ def per_request(export: dict) -> list[dict]:
                 times += [ts] * _count(out.get("output_ids") if out else None)
             if len(times) < 2:
                 continue
-            last = outs[-1] or {}
-            timing = [_number(o.get("decode_tok_s")) for o in outs if o]
-            cpu = [_number(o.get("decode_cpu_ms")) for o in outs if o]
+            last = outs[-1] or {}           # the FINAL response: the engine's timing rides on it
             rows.append({"timestamp": req["timestamp"],
                          "ttft_ms": (times[0] - req["timestamp"]) / 1e6,
                          "decode_tok_s": decode_rate([(t - times[0]) / 1e9 for t in times]),
-                         "engine_decode_tok_s": next((v for v in reversed(timing) if v > 0), float("nan")),
-                         "engine_cpu_ms": next((v for v in reversed(cpu) if v > 0), float("nan")),
+                         "engine_decode_tok_s": _number(last.get("decode_tok_s")),
+                         "engine_cpu_ms": _number(last.get("decode_cpu_ms")),
                          "tokens": len(times),
                          "cached_tokens": last.get("cached_tokens"),
                          "num_input_tokens": last.get("num_input_tokens")})

@@ -10,10 +10,11 @@ are equal within the interval's reach; wholly beyond it, one is slower; otherwis
 from __future__ import annotations
 
 import math
-import random
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from perf.common import bootstrap_interval
 
 TOLERANCE = 0.03        # the product's promise: hit decode within 3% of miss decode
 TRIM = 0.2              # of the per-pair log ratios, cut from each end
@@ -24,14 +25,6 @@ def center(logs: Sequence[float]) -> float:
     s = sorted(logs)
     k = int(len(s) * TRIM)
     return statistics.fmean(s[k:len(s) - k])
-
-
-def interval(logs: Sequence[float], level: float = 0.95, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """Percentile bootstrap interval of `center`."""
-    rng = random.Random(seed)
-    est = sorted(center(rng.choices(logs, k=len(logs))) for _ in range(resamples))
-    tail = (1 - level) / 2
-    return est[int(tail * resamples)], est[min(resamples - 1, int((1 - tail) * resamples))]
 
 
 @dataclass(slots=True, frozen=True)
@@ -71,9 +64,7 @@ def ratio(pairs: Sequence[tuple[float, float]]) -> Ratio:
     logs = [math.log(h / m) for m, h in pairs if m > 0 and h > 0]     # NaN compares False: left out too
     if not logs:
         return Ratio(float("nan"), float("nan"), float("nan"), 0)
-    if len(logs) == 1:
-        return Ratio(math.exp(logs[0]), float("nan"), float("nan"), 1)
-    lo, hi = interval(logs)
+    lo, hi = bootstrap_interval(logs, stat=center)          # NaN for a single pair
     return Ratio(math.exp(center(logs)), math.exp(lo), math.exp(hi), len(logs))
 
 
