@@ -24,6 +24,8 @@ def option(default: Any, help: str, choices: tuple[str, ...] = (), low: int | No
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = option(None, "Hugging Face Qwen2 directory (default: the embedded small model)")
+    tokenizer: str | None = option(None, "directory holding tokenizer.json and tokenizer_config.json (default: "
+                                   "the model's)")
     served_model_name: str | None = option(None, "the model's name in the API and the metrics' model_name label "
                                            "(default: the model directory's)")
     runner: str = option("torch", "model runner", ("torch", "mlx"))
@@ -36,6 +38,9 @@ class EngineConfig:
     contiguous_blocks: bool = option(True, "keep a sequence's blocks consecutive where free (false: release order)")
     num_kv_blocks: int = option(0, "KV blocks in the pool; 0: derived from kv_cache_bytes and max_model_len", low=0)
     kv_cache_bytes: int = option(1 << 30, "KV pool bound in bytes when num_kv_blocks is 0", low=0)
+    gpu_memory_utilization: float = option(0.0, "CUDA: the share of device memory this engine may hold (weights, "
+                                           "activations, KV); the KV pool takes what weights and activations "
+                                           "leave. 0: kv_cache_bytes bounds the pool; no effect on a CPU")
     prompt_cache: bool = option(True, "reuse the KV of earlier requests' prefixes")
     prompt_cache_bytes: int = option(512 << 20, "dense storage: bound of the store of finished buffers", low=0)
     lookahead: bool = option(True, "launch decode step n+1 before reading step n (PAGODA_FORCE_SYNC=1 overrides)")
@@ -43,6 +48,9 @@ class EngineConfig:
     max_queue: int = option(256, "requests waiting before new ones are refused", low=1)
     max_model_len: int = option(0, "context length; 0: the checkpoint's max_position_embeddings", low=0)
     seed: int = option(0, "seed of the embedded default model", low=0)
+    sampling_seed: int = option(0, "seed of the generator that sampled requests without a seed of their own draw "
+                                "from (vLLM's engine seed)", low=0)
+    max_logprobs: int = option(20, "most logprobs a request may ask for per position (at most 20)", low=0)
     num_threads: int = option(0, "CPU threads for the model's ops; 0: the framework's default", low=0)
     attention: str = option("auto", "torch runner's KV ops; auto: triton on CUDA, cpu for fp32 and bf16 on a CPU "
                             "that builds it, else reference", ("auto", "triton", "reference", "cpu"))
@@ -64,6 +72,12 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         validate(self)
+        util = self.gpu_memory_utilization
+        if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 <= util <= 1:
+            raise ValueError(f"gpu_memory_utilization: must be in [0, 1], got {self.gpu_memory_utilization}")
+        if self.max_logprobs > 20:
+            raise ValueError(f"max_logprobs: this server returns at most 20 logprobs a position, got "
+                             f"{self.max_logprobs}")
         if self.compile and self.runner != "torch":
             raise ValueError(f"compile: only the torch runner compiles, got runner {self.runner!r}")
         if self.kv_events and (not self.paged or not self.prompt_cache):
@@ -173,6 +187,11 @@ def parse(name: str, type_: str, raw: Any) -> Any:
             return int(text)
         except ValueError:
             raise ValueError(f"{name}: expected an integer, got {raw!r}") from None
+    if "float" in type_:
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"{name}: expected a number, got {raw!r}") from None
     if "None" in type_ and text in ("", "none", "None"):
         return None
     return text
@@ -202,7 +221,7 @@ def from_kwargs(cls: type, kwargs: Mapping[str, Any], env: Mapping[str, str] | N
 
 
 def _metavar(type_: str) -> str:
-    return "BOOL" if "bool" in type_ else "N" if "int" in type_ else "TEXT"
+    return "BOOL" if "bool" in type_ else "N" if "int" in type_ else "X" if "float" in type_ else "TEXT"
 
 
 # ---- process-wide switches: environment only ----

@@ -3,9 +3,10 @@
     python -m perf.gpu_check [--dry-run] [--out DIR]      (perf/gpu_check.sh is the command to use)
 Sections: the environment; the kernel tests compiled for the device; greedy identity in fp32 against the CPU
 engine and transformers; bf16's first divergence from transformers; decode speed; the seed's hit-vs-miss
-measurement; the decode-attention microbenchmark. Each records ok, its error and its seconds in the JSON, and
-the goals it measured go into the table. --dry-run runs every section on the CPU on the tiny preset at tiny
-sizes (Triton through its interpreter), so the script is tested where there is no GPU.
+measurement; the decode-attention microbenchmark; the device-memory share (gpu_memory_utilization). Each records
+ok, its error and its seconds in the JSON, and the goals it measured go into the table. --dry-run runs every
+section on the CPU on the tiny preset at tiny sizes (Triton through its interpreter), so the script is tested where
+there is no GPU.
 """
 from __future__ import annotations
 
@@ -87,12 +88,38 @@ def kernel_tests(s: Sizes) -> tuple[dict, list[dict]]:
                                    "met": True}]
 
 
+def memory_share(s: Sizes) -> tuple[dict, list[dict]]:
+    """gpu_memory_utilization (vLLM's, from model.json): the engine, KV pool included, holds at most that share of
+    the device. On a CPU there is no share to hold to: the runner reports no budget."""
+    import torch
+
+    from engine import LLM, SamplingParams
+    from engine.models.presets import cached_model
+    from engine.runners.torch.runner import TorchRunner
+    share = 0.3
+    if s.device != "cuda":
+        runner = TorchRunner(str(cached_model(s.presets[0])), "float32", "cpu")
+        budget = runner.kv_budget(share, 512)
+        return {"budget": budget}, [{"name": "kv_budget on a CPU", "value": str(budget), "goal": "None",
+                                     "met": budget is None}]
+    llm = LLM(model=str(cached_model(s.speed_model)), device="cuda", gpu_memory_utilization=share)
+    llm.generate([1, 2, 3], SamplingParams(max_tokens=8, temperature=0))
+    total = torch.cuda.get_device_properties(0).total_memory
+    held = torch.cuda.memory_reserved() / total
+    blocks = llm.engine.pool.num_blocks
+    del llm
+    torch.cuda.empty_cache()
+    return {"share": share, "held": round(held, 4), "blocks": blocks}, [
+        {"name": f"device memory held at gpu_memory_utilization={share}", "value": f"{held:.3f}",
+         "goal": f"<= {share}", "met": held <= share}]
+
+
 def sections():
     from perf import gpu_correct, gpu_speed
     return {"environment": environment, "kernel tests": kernel_tests,
             "greedy identity (fp32)": gpu_correct.greedy_identity, "bf16 divergence": gpu_correct.bf16_divergence,
             "decode speed": gpu_speed.decode_speed, "hit vs miss (the seed)": gpu_speed.hit_miss,
-            "decode attention": gpu_speed.attention}
+            "decode attention": gpu_speed.attention, "memory share": memory_share}
 
 
 def distributions() -> list[str]:

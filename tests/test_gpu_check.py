@@ -90,8 +90,10 @@ def test_dry_run_runs_every_section_with_only_what_the_gpu_machine_has(tmp_path)
     names = {g["name"] for g in report["goals"]}
     for want in ("hit/miss decode, paged", "hit/miss TTFT, dense", "lookahead / sync decode",
                  "CUDA graphs on / off decode", "bs1 decode vs transformers generate",
-                 "attention kernel: shuffled / contiguous time, worst case", "c=4 / c=1 aggregate decode"):
+                 "attention kernel: shuffled / contiguous time, worst case", "c=4 / c=1 aggregate decode",
+                 "kv_budget on a CPU"):
         assert want in names
+    assert report["sections"]["memory share"]["results"] == {"budget": None}       # no device memory on a CPU
     hit = report["sections"]["hit vs miss (the seed)"]["results"]["paged"]
     assert hit["cached"] == "32/80"             # the hit shares all but 23 tokens: 57, one full block of 32
     text = (out / "gpu_check.txt").read_text()

@@ -37,6 +37,37 @@ def test_decode_timing_outputs_are_the_engines_once_a_sequence_ends():
     assert "decode_tok_s" not in triton_io.outputs(parts, [], 10, 0)      # only when asked
 
 
+def test_request_parameters_are_the_sampling_parameters_when_no_tensor_is_sent():
+    """vllm_backend's precedence: the sampling_parameters tensor when sent, else the request's Triton parameters
+    (JSON text of an object whose values are strings, integers, doubles or booleans)."""
+    text = {"text_input": s("hi")}
+    r = triton_io.parse(text, '{"temperature": 0, "max_tokens": 12, "ignore_eos": true, "top_p": "0.5"}')
+    assert (r.params.temperature, r.params.max_tokens, r.params.ignore_eos, r.params.top_p) == (0.0, 12, True, 0.5)
+    assert triton_io.parse(text, '{"max_tokens": 12.0, "n": "2"}').params.max_tokens == 12      # a whole double
+    lists = triton_io.parse(text, {"stop": '["a", "b"]', "stop_token_ids": "[7, 9]", "logit_bias": '{"5": -3}',
+                                   "bad_words": '["x"]', "allowed_token_ids": "[1, 2]"}).params
+    assert (lists.stop, lists.stop_token_ids, lists.logit_bias) == (["a", "b"], [7, 9], {5: -3.0})
+    assert (lists.bad_words, lists.allowed_token_ids) == (["x"], [1, 2])
+    assert triton_io.parse(text, {"stop": "[end"}).params.stop == ["[end"]      # a plain stop string
+    assert triton_io.parse(text, {"stop": "\n"}).params.stop == ["\n"]
+    both = triton_io.parse({**text, "sampling_parameters": s('{"max_tokens": 2}')}, '{"max_tokens": 9}')
+    assert both.params.max_tokens == 2
+    assert triton_io.parse(text, "{}").params.max_tokens == triton_io.parse(text, None).params.max_tokens == 16
+
+
+@pytest.mark.parametrize("parameters,message", [
+    ('{"temperature": "hot"}', "temperature: expected a number"),
+    ('{"max_tokens": 0}', "max_tokens: must be >= 1"),
+    ('{"max_tokens": 2.5}', "max_tokens: expected an integer"),
+    ('{"stop_token_ids": "[1, x]"}', "stop_token_ids: expected JSON text of a list"),
+    ('{"colour": "blue"}', "colour: unknown sampling parameter"),
+    ("{bad", "parameters: not valid JSON"),
+])
+def test_request_parameter_errors_name_the_key(parameters, message):
+    with pytest.raises(ValueError, match=message):
+        triton_io.parse({"text_input": s("hi")}, parameters)
+
+
 @pytest.mark.parametrize("inputs,message", [
     ({}, "text_input: give exactly one of text_input and input_ids"),
     ({"text_input": s("a"), "input_ids": np.array([1], dtype=np.int32)}, "text_input: give exactly one"),

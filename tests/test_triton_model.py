@@ -82,11 +82,14 @@ class Sender:
 
 
 class Request:
-    def __init__(self, inputs: dict[str, np.ndarray], sender: Sender) -> None:
-        self.inputs, self.sender = inputs, sender
+    def __init__(self, inputs: dict[str, np.ndarray], sender: Sender, parameters: str = "{}") -> None:
+        self.inputs, self.sender, self._parameters = inputs, sender, parameters
 
     def get_response_sender(self) -> Sender:
         return self.sender
+
+    def parameters(self) -> str:        # Triton hands them over as the JSON text of an object
+        return self._parameters
 
 
 def fake_pb_utils() -> types.ModuleType:
@@ -101,8 +104,9 @@ def fake_pb_utils() -> types.ModuleType:
     return pb
 
 
-def start_model(monkeypatch, parameters: dict[str, str]):
-    """model.py loaded against the stand-in pb_utils and initialized with these config.pbtxt parameters."""
+def start_model(monkeypatch, parameters: dict[str, str], model_dir: Path = MODEL_PY.parent.parent):
+    """model.py loaded against the stand-in pb_utils and initialized with these config.pbtxt parameters, as the
+    model in `model_dir` (whose 1/model.json, if any, it reads)."""
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake_pb_utils())
     spec = importlib.util.spec_from_file_location("pagoda_triton_model", MODEL_PY)
     module = importlib.util.module_from_spec(spec)
@@ -111,7 +115,8 @@ def start_model(monkeypatch, parameters: dict[str, str]):
     model = module.TritonPythonModel()
     config = {"model_transaction_policy": {"decoupled": True},
               "parameters": {k: {"string_value": v} for k, v in parameters.items()}}
-    model.initialize({"model_config": json.dumps(config), "model_name": "llm", "model_version": "1"})
+    model.initialize({"model_config": json.dumps(config), "model_name": "llm", "model_version": "1",
+                      "model_repository": str(model_dir)})
     return module, model
 
 

@@ -2,6 +2,7 @@
 `on_delta` the moment it exists (a prefill's first token does not wait for the decode step launched after it)."""
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -25,6 +26,8 @@ from engine.runners.base import ModelRunner, Row, TokenLogprobs
 from engine.serving.metrics import Metrics
 from engine.tokenizer import Tokenizer
 
+log = logging.getLogger("pagoda")
+
 
 def _unset(delta: Delta) -> None:
     raise RuntimeError("engine: set on_delta before stepping")
@@ -38,7 +41,7 @@ class Engine:
             from engine.models.presets import cached_model
             config.model = str(cached_model("small", config.seed))
         self.runner = runner = runner or make_runner(config, config.model)     # first: it names a bad model dir
-        self.tokenizer = Tokenizer(config.model)
+        self.tokenizer = Tokenizer(config.tokenizer or config.model)
         self.max_model_len = min(config.max_model_len or runner.max_model_len, runner.max_model_len)
         self.metrics = Metrics(config.model_name)
         self.recorder = Recorder(self.metrics, config.prompt_cache)
@@ -87,6 +90,15 @@ class Engine:
 
     def _auto_blocks(self) -> int:
         per_block = self.runner.bytes_per_token * self.config.block_size
+        util = self.config.gpu_memory_utilization
+        budget = self.runner.kv_budget(util, self.config.prefill_chunk) if util else None
+        if budget is not None:          # as vLLM: the pool takes all the share leaves
+            if budget < per_block:
+                raise ValueError(f"gpu_memory_utilization: {util} of the device leaves no room for KV blocks once "
+                                 f"the weights are loaded")
+            return budget // per_block
+        if util:
+            log.info("pagoda: gpu_memory_utilization has no effect on this device; kv_cache_bytes bounds the KV pool")
         by_bytes = max(1, self.config.kv_cache_bytes // per_block)
         by_need = 4 * self.config.max_batch_size * cdiv(self.max_model_len, self.config.block_size)
         return min(by_bytes, by_need)

@@ -29,6 +29,10 @@ class Intake:
         params = params or SamplingParams()
         ids, field = self._tokens(prompt, params)
         self.runner.check(params)
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > self.config.max_logprobs:
+                raise ValueError(f"{name}: {asked} exceeds max_logprobs ({self.config.max_logprobs})")
         vocab = self.runner.vocab_size
         for name in ("logit_bias", "allowed_token_ids"):
             for t in getattr(params, name) or ():

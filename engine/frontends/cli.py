@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--seed", dest="sampling_seed", type=int, default=None, help="seed of this request's sampler")
+    gen.add_argument("--seed", dest="request_seed", type=int, default=None, help="seed of this request's sampler")
     gen.add_argument("--repeat", type=int, default=1, help="run the prompt N times (the repeats hit the prompt cache)")
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     add_flags(srv, EngineConfig)
@@ -71,7 +71,7 @@ def generate(config: EngineConfig, args: argparse.Namespace) -> int:
     arrivals: list[tuple[float, Delta]] = []
     engine = Engine(config, on_delta=lambda d: arrivals.append((time.monotonic(), d)))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.sampling_seed)
+                            top_k=args.top_k, seed=args.request_seed)
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) \
         if args.chat else args.prompt
     for run in range(args.repeat):

@@ -65,8 +65,9 @@ def _string(inputs: dict[str, np.ndarray], name: str) -> str | None:
     return None if value is None else str(value)
 
 
-def parse(inputs: dict[str, np.ndarray]) -> TritonRequest:
-    """Validate a request's input tensors; raises ValueError naming the field."""
+def parse(inputs: dict[str, np.ndarray], parameters: str | dict | None = None) -> TritonRequest:
+    """Validate a request's input tensors and its Triton request parameters (`request.parameters()`, a JSON object
+    as text); raises ValueError naming the field."""
     text = _string(inputs, "text_input")
     ids = inputs.get("input_ids")
     if (text is None) == (ids is None):
@@ -81,7 +82,7 @@ def parse(inputs: dict[str, np.ndarray]) -> TritonRequest:
     else:
         prompt = text
     raw = _string(inputs, "sampling_parameters")
-    params = SamplingParams.from_json(raw) if raw else SamplingParams()
+    params = SamplingParams.from_json(raw) if raw is not None else from_parameters(parameters)
     if params.prompt_logprobs is not None:
         raise ValueError("prompt_logprobs: not supported by this model: vllm_backend has no output tensor for it")
     stream = bool(_flag(inputs, "stream"))
@@ -91,6 +92,37 @@ def parse(inputs: dict[str, np.ndarray]) -> TritonRequest:
     prepend = exclude is False or (exclude is None and not stream and text is not None)
     extras = [out for flag, outs in EXTRAS.items() if _flag(inputs, flag) for out in outs]
     return TritonRequest(prompt, params, stream, prepend and text is not None, extras)
+
+
+# Keys whose values are lists or objects: a Triton parameter is a string, number or boolean, so a client sends these
+# as JSON text. `stop` may also be one plain stop string.
+_JSON_VALUED = {"stop", "stop_token_ids", "bad_words", "allowed_token_ids", "logit_bias"}
+_INTEGERS = {"n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs",
+             "truncate_prompt_tokens"}
+
+
+def from_parameters(parameters: str | dict | None) -> SamplingParams:
+    """Sampling parameters from a request's Triton parameters, which vllm_backend reads when no sampling_parameters
+    tensor is sent (the HTTP generate endpoint puts the body's `parameters`, and any top-level key that names no
+    input, there; gRPC clients set them per request). Values are Triton's types: strings, integers, doubles, booleans.
+    A JSON list or object given as text is parsed for the keys that need one; a whole double (12.0) is taken where an
+    integer is needed."""
+    if isinstance(parameters, (str, bytes)):
+        try:
+            parameters = json.loads(parameters) if parameters else {}
+        except ValueError as e:
+            raise ValueError(f"parameters: not valid JSON ({e})") from None
+    data = dict(parameters or {})
+    for key, value in data.items():
+        if key in _JSON_VALUED and isinstance(value, str) and value.strip()[:1] in ("[", "{"):
+            try:
+                data[key] = json.loads(value)
+            except ValueError:
+                if key != "stop":           # a stop string may start with a bracket
+                    raise ValueError(f"{key}: expected JSON text of a list, got {value!r}") from None
+        elif key in _INTEGERS and isinstance(value, float) and value.is_integer():
+            data[key] = int(value)
+    return SamplingParams.from_dict(data)
 
 
 def error_message(message: str) -> str:

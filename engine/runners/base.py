@@ -89,6 +89,9 @@ class ModelRunner(Protocol):
     tokens_computed: int          # positions run through the model, prefill and decode
 
     def init_paged(self, num_blocks: int, block_size: int) -> None: ...
+    def kv_budget(self, utilization: float, prefill_tokens: int) -> int | None:
+        """Bytes the KV pool may take when the engine holds `utilization` of the device's memory: what the loaded
+        weights and a prefill step of `prefill_tokens` leave. None where memory is not the device's own (a CPU)."""
     def forward(self, rows: list[Row], prev: Any | None) -> Any:
         """Launch one step's model pass (`prev`: the step whose sampled tokens feed it, on the device); returns its
         handle. `sample` must follow before the step is fetched or fed to another."""

@@ -69,7 +69,10 @@ def _spawn(config: EngineConfig) -> tuple[_Child, m.Started, m.MetricsSnapshot |
     child = _Child(proc, Connection(ours.detach()))
     try:
         child.conn.send(m.Start(config))
-        started: m.Started = child.conn.recv()
+        started = child.conn.recv()
+        while isinstance(started, m.Log):       # what the engine logged while it started
+            log.log(started.level, started.text)
+            started = child.conn.recv()
         first = child.conn.recv() if started.config is not None else None   # a snapshot right after Started
     except (EOFError, OSError):
         started, first = m.Started(None, f"exited with code {proc.wait()}"), None
@@ -108,7 +111,7 @@ class ProcessEngine(EngineClient):
 
     @functools.cached_property
     def tokenizer(self) -> Tokenizer:
-        return Tokenizer(self.config.model)
+        return Tokenizer(self.config.tokenizer or self.config.model)
 
     def submit(self, prompt: str | list[int], params: SamplingParams | None, push: Push,
                request_id: int | None = None) -> int:

@@ -22,7 +22,8 @@ class Step:
 
 
 class MLXRunner:
-    def __init__(self, model_dir: str | Path, dtype: str = "auto") -> None:
+    def __init__(self, model_dir: str | Path, dtype: str = "auto", seed: int = 0) -> None:
+        mx.random.seed(seed)          # what sampled requests without a seed of their own draw from
         self.model = load_mlx(model_dir, dtype)
         cfg = self.model.cfg
         self.dtype = self.model.dtype
@@ -38,6 +39,9 @@ class MLXRunner:
         self.next_buf = 0
         self.keys: dict[int, mx.array] = {}
         self.tokens_computed = 0
+
+    def kv_budget(self, utilization: float, prefill_tokens: int) -> int | None:
+        return None                   # unified memory: kv_cache_bytes bounds the pool
 
     def init_paged(self, num_blocks: int, block_size: int) -> None:
         self.paged = True

@@ -40,7 +40,7 @@ class Step:
 class TorchRunner:
     def __init__(self, model_dir: str | Path, dtype: str = "auto", device: str = "auto", num_threads: int = 0,
                  attention: str = "auto", compile: bool = False, cuda_graphs: str = "false",
-                 max_batch_size: int = 4) -> None:
+                 max_batch_size: int = 4, seed: int = 0) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
         if device == "auto":
@@ -60,7 +60,7 @@ class TorchRunner:
         self.dense: dict[int, torch.Tensor] = {}
         self.next_buf = 0
         self.generators: dict[int, torch.Generator] = {}
-        self.default_generator = torch.Generator(self.device).manual_seed(0)
+        self.default_generator = torch.Generator(self.device).manual_seed(seed)
         self.tokens_computed = 0
         self.penalties = Penalties(self.vocab_size, self.device)
         self.compiled: CompiledDecode | None = None
@@ -82,6 +82,15 @@ class TorchRunner:
         self.max_batch_size = max_batch_size
         self.graphs: GraphDecode | None = None
         self.graph_step: Step | None = None   # the step whose outputs are the graphs' buffers now
+
+    def kv_budget(self, utilization: float, prefill_tokens: int) -> int | None:
+        if self.device.type != "cuda":
+            return None
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        cfg = self.model.cfg
+        # an estimate of one prefill step's peak: fp32 logits and their softmax, and the MLP's widest activations
+        step = prefill_tokens * (2 * 4 * self.vocab_size + 4 * cfg.intermediate_size * self.dtype.itemsize)
+        return int(total * utilization) - torch.cuda.memory_reserved(self.device) - step
 
     def init_paged(self, num_blocks: int, block_size: int) -> None:
         self.paged = True

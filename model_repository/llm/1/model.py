@@ -15,12 +15,13 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
 from engine.config import EngineConfig
 from engine.core.output import Delta
-from engine.frontends import triton_io
+from engine.frontends import triton_io, vllm_args
 from engine.serving.client import make_client
 from engine.serving.metrics import Mirror
 from engine.serving.supervisor import EngineUnavailable, Health
@@ -78,7 +79,7 @@ class TritonPythonModel:
         if not any(isinstance(h, _TritonLog) for h in log.handlers):
             log.addHandler(_TritonLog())
         log.setLevel(logging.INFO)
-        config = EngineConfig.from_sources(params)
+        config = EngineConfig.from_sources(self._with_model_json(params, args))
         self.engine = make_client(config)
         kinds = {"counter": pb_utils.MetricFamily.COUNTER, "gauge": pb_utils.MetricFamily.GAUGE,
                  "histogram": pb_utils.MetricFamily.HISTOGRAM}
@@ -95,6 +96,19 @@ class TritonPythonModel:
         log.info("pagoda: engine ready model=%s kv_storage=%s max_batch_size=%d lookahead=%s",
                  cfg.model, "paged" if cfg.paged else "dense", cfg.max_batch_size, cfg.use_lookahead)
 
+    @staticmethod
+    def _with_model_json(params: dict[str, str], args) -> dict:
+        """config.pbtxt's parameters, overridden by vllm_backend's model.json (vLLM engine arguments) beside this
+        file when there is one; PAGODA_* overrides both (EngineConfig.from_sources)."""
+        engine_args = vllm_args.read(Path(args["model_repository"]) / args["model_version"] / "model.json")
+        if engine_args is None:
+            return params
+        values = vllm_args.engine_values(engine_args)
+        overridden = sorted(k for k in values if k in params and str(params[k]) != str(values[k]))
+        if overridden:
+            log.info("pagoda: model.json overrides config.pbtxt's %s", ", ".join(overridden))
+        return {**params, **values}
+
     def execute(self, requests):
         for request in requests:
             self._start(request)
@@ -109,7 +123,7 @@ class TritonPythonModel:
                 tensor = pb_utils.get_input_tensor_by_name(request, name)
                 if tensor is not None:
                     inputs[name] = tensor.as_numpy()
-            stream = Stream(sender, triton_io.parse(inputs))
+            stream = Stream(sender, triton_io.parse(inputs, request.parameters()))
             self.active.add(stream)
             stream.id = self.engine.submit(stream.req.prompt, stream.req.params,
                                            lambda d, s=stream: self._on_delta(s, d))
