@@ -3,7 +3,7 @@ bounds, and CLI flags, LLM(**kwargs), config.pbtxt parameters and PAGODA_<NAME> 
 from them. Every PAGODA_* variable is read here and nowhere else.
 
 Precedence: what a process is told directly (a CLI flag, an LLM keyword) wins over PAGODA_<NAME>, which wins over
-a file (config.pbtxt parameters) and the defaults.
+the files (a Triton model's model.json, then its config.pbtxt parameters) and the defaults.
 """
 from __future__ import annotations
 
