@@ -45,7 +45,10 @@ class EngineConfig:
     prompt_cache_bytes: int = option(512 << 20, "dense storage: bound of the store of finished buffers", low=0)
     lookahead: bool = option(True, "launch decode step n+1 before reading step n (PAGODA_FORCE_SYNC=1 overrides)")
     prefill_chunk: int = option(512, "prompt tokens prefilled per step, over all requests", low=1)
-    max_queue: int = option(256, "requests waiting before new ones are refused", low=1)
+    max_queue: int = option(256, "requests waiting before new ones are refused (HTTP 429, Triton UNAVAILABLE)",
+                            low=1)
+    max_queue_wait: float = option(0.0, "refuse a request whose estimated wait in the queue (by the measured rate "
+                                   "at which requests leave it) exceeds this many seconds; 0: no bound")
     max_model_len: int = option(0, "context length; 0: the checkpoint's max_position_embeddings", low=0)
     seed: int = option(0, "seed of the embedded default model", low=0)
     sampling_seed: int = option(0, "seed of the generator that sampled requests without a seed of their own draw "
@@ -75,6 +78,9 @@ class EngineConfig:
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 <= util <= 1:
             raise ValueError(f"gpu_memory_utilization: must be in [0, 1], got {self.gpu_memory_utilization}")
+        if isinstance(self.max_queue_wait, bool) or not isinstance(self.max_queue_wait, (int, float)) or \
+                self.max_queue_wait < 0:
+            raise ValueError(f"max_queue_wait: must be a number of seconds >= 0, got {self.max_queue_wait!r}")
         if self.max_logprobs > 20:
             raise ValueError(f"max_logprobs: this server returns at most 20 logprobs a position, got "
                              f"{self.max_logprobs}")

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from functools import partial
 
 from engine.config import EngineConfig
+from engine.core.admission import Admission
 from engine.core.intake import Intake
 from engine.core.lookahead import Lookahead
 from engine.core.output import Delta, Output
@@ -50,6 +51,7 @@ class Engine:
         self.kv_events, self.publisher = self._publisher()
         self.kv: KVStorage = self._storage()
         self.scheduler = Scheduler(config, self.kv)
+        self.admission = Admission(config.max_queue, config.max_queue_wait)
         self.lookahead = Lookahead(runner, config.use_lookahead)
         self.on_delta = on_delta
         self.requests: dict[int, Request] = {}
@@ -130,6 +132,8 @@ class Engine:
     def step(self) -> None:
         self._reap_cancels()
         admitted, too_big = self.scheduler.admit()
+        if admitted:
+            self.admission.leave(len(admitted), time.monotonic())
         for req in admitted:
             self.recorder.admitted(req)
         for req in too_big:

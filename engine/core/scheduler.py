@@ -8,10 +8,6 @@ from engine.core.request import Request, Status
 from engine.kv.base import KVStorage
 
 
-class QueueFull(RuntimeError):
-    pass
-
-
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVStorage) -> None:
         self.config = config
@@ -20,8 +16,7 @@ class Scheduler:
         self.running: list[Request] = []
 
     def add(self, req: Request) -> None:
-        if len(self.waiting) >= self.config.max_queue:
-            raise QueueFull(f"queue: {len(self.waiting)} requests waiting, the limit (max_queue) is reached")
+        """Queue a request; admission (core/admission.py) has already bounded the queue."""
         self.waiting.append(req)
 
     def admit(self) -> tuple[list[Request], list[Request]]:

@@ -33,7 +33,8 @@ class EngineClient(Protocol):
                request_id: int | None = None) -> int:
         """Queue a request whose deltas `push` receives on a thread of the client's (it must not block); returns
         its id (`request_id`, when the caller numbers its requests itself). Raises ValueError naming the field on
-        bad input, EngineUnavailable (a RuntimeError) when the engine is not up."""
+        bad input, EngineUnavailable (a RuntimeError) when the engine is not up, Overloaded (a RuntimeError, with
+        retry_after) when its queue cannot take the request now: all before any delta."""
 
     def abort(self, request_id: int) -> None:
         """Cancel a request: its final delta has finish_reason 'abort' and its KV is freed within one step."""

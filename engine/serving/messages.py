@@ -57,6 +57,7 @@ class Answer:
     request_id: int
     error: str = ""                 # empty: added; else why it was refused
     kind: str = ""                  # the refusal's exception class: ValueError is the caller's fault
+    retry_after: int = 0            # Overloaded: the seconds a client should wait
 
 
 @dataclass(slots=True)

@@ -21,6 +21,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from engine.config import EngineConfig
+from engine.core.admission import Overloaded
 from engine.core.output import Delta
 from engine.core.sampling import SamplingParams
 from engine.serving import messages as m
@@ -129,9 +130,12 @@ class ProcessEngine(EngineClient):
         if pending.answer is None:
             self.streams.pop(rid, None)
             raise EngineUnavailable(self.why or "engine: the engine process exited")
-        if pending.answer.error:
+        answer = pending.answer
+        if answer.error:
             self.streams.pop(rid, None)
-            raise (ValueError if pending.answer.kind == "ValueError" else RuntimeError)(pending.answer.error)
+            if answer.kind == "Overloaded":
+                raise Overloaded(answer.error, answer.retry_after)
+            raise (ValueError if answer.kind == "ValueError" else RuntimeError)(answer.error)
         return rid
 
     def abort(self, request_id: int) -> None:
@@ -281,7 +285,7 @@ def serve(conn: Connection) -> None:
                 try:
                     engine.submit(prompt, params, push, request_id=rid)
                 except (ValueError, RuntimeError) as e:
-                    send(m.Answer(rid, str(e), type(e).__name__))
+                    send(m.Answer(rid, str(e), type(e).__name__, getattr(e, "retry_after", 0)))
                 else:
                     send(m.Answer(rid))
             case m.Abort(request_id=rid):

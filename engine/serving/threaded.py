@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 from engine.config import EngineConfig
@@ -11,7 +12,6 @@ from engine.core.engine import Engine
 from engine.core.output import Delta
 from engine.core.request import Request
 from engine.core.sampling import SamplingParams
-from engine.core.scheduler import QueueFull
 from engine.serving.client import EngineClient, Push
 from engine.serving.metrics import Metrics
 from engine.serving.supervisor import EngineUnavailable, Health
@@ -31,6 +31,7 @@ class ThreadedEngine(EngineClient):
         self.health, self.why = Health.UP, ""
         self.engine.on_delta = self._deliver
         self.inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self.admitting = threading.Lock()   # a request moves from the inbox to the queue in one piece
         self.streams: dict[int, Push] = {}
         self.wake = threading.Event()
         self.stopping = False
@@ -54,8 +55,11 @@ class ThreadedEngine(EngineClient):
         if self.stopping or self.health is not Health.UP:
             raise EngineUnavailable("engine: shutting down" if self.stopping else self.why)
         req = self.engine.make_request(prompt, params, request_id)
-        self.streams[req.id] = push
-        self.inbox.put(req)
+        with self.admitting:                # the queue's length counts what the inbox holds too
+            waiting = len(self.engine.scheduler.waiting) + self.inbox.qsize()
+            self.engine.admission.check(waiting, time.monotonic())      # Overloaded: refused before any output
+            self.streams[req.id] = push
+            self.inbox.put(req)
         self.wake.set()
         return req.id
 
@@ -93,14 +97,12 @@ class ThreadedEngine(EngineClient):
 
     def _take_inbox(self) -> None:
         while True:
-            try:
-                req = self.inbox.get_nowait()
-            except queue.Empty:
-                return
-            try:
+            with self.admitting:
+                try:
+                    req = self.inbox.get_nowait()
+                except queue.Empty:
+                    return
                 self.engine.add(req)
-            except QueueFull as e:
-                self._deliver(Delta(req.id, [], "", True, "error", str(e), len(req.prompt_ids)))
 
     def _deliver(self, d: Delta) -> None:
         push = self.streams.pop(d.request_id, None) if d.finished else self.streams.get(d.request_id)

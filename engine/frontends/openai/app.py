@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from engine.core.admission import Overloaded
 from engine.core.output import Delta
 from engine.frontends.openai.logprobs import Shaper, prompt
 from engine.frontends.openai.protocol import ChatCompletionRequest, CompletionRequest, usage
@@ -39,8 +40,14 @@ def completion_tokens(deltas: list[Delta]) -> int:
     return sum({d.index: d.num_output_tokens for d in deltas}.values())
 
 
-def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param}}, status_code=status)
+def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+          headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, kind), status_code=status, headers=headers)
+
+
+def error_body(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict:
+    """An error as OpenAI and vLLM shape it; `code` is the HTTP status."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 # what /render echoes as the request's sampling_params
@@ -136,6 +143,8 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
             first = await anext(stream)        # validation errors surface here, before any byte is sent
         except EngineUnavailable as e:
             return error(503, str(e), kind="service_unavailable")
+        except Overloaded as e:                # before any byte: a router or client retries it elsewhere or later
+            return error(429, str(e), kind="overloaded", headers={"Retry-After": str(e.retry_after)})
         except ValueError as e:
             message = str(e)
             return error(400, message, message.split(":", 1)[0])
@@ -183,9 +192,9 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
         d, seen = first, {}
         try:
             while True:
-                if d.finish_reason == "error":
-                    yield f"data: {json.dumps({'error': {'message': d.error, 'type': 'server_error'}})}\n\n"
-                    return
+                if d.finish_reason == "error":       # then [DONE], as vLLM ends a stream after an error
+                    yield f"data: {json.dumps(error_body(500, d.error or 'request failed', kind='server_error'))}\n\n"
+                    break
                 seen[d.index] = d.num_output_tokens
                 text = choices.text(d.index, d.text)
                 part = {"index": d.index, "finish_reason": d.finish_reason, "token_ids": d.token_ids,
@@ -198,7 +207,7 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
                 if d.finished:
                     break
                 d = await anext(stream)
-            if body.include_usage:
+            if body.include_usage and d.finish_reason != "error":
                 chunk = {"id": rid, "object": obj, "model": model_name, "choices": [],
                          "usage": usage(d.num_prompt_tokens, sum(seen.values()), d.cached_tokens)}
                 yield f"data: {json.dumps(chunk)}\n\n"

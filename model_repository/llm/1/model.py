@@ -20,6 +20,7 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from engine.config import EngineConfig
+from engine.core.admission import Overloaded
 from engine.core.output import Delta
 from engine.frontends import triton_io, vllm_args
 from engine.serving.client import make_client
@@ -127,8 +128,8 @@ class TritonPythonModel:
             self.active.add(stream)
             stream.id = self.engine.submit(stream.req.prompt, stream.req.params,
                                            lambda d, s=stream: self._on_delta(s, d))
-        except EngineUnavailable as e:          # restarting after a crash, or down for good
-            if self._claim(stream):
+        except (EngineUnavailable, Overloaded) as e:    # restarting, down for good, or the queue is full:
+            if self._claim(stream):                     # UNAVAILABLE, which Triton clients and routers retry
                 self._fail(sender, str(e), pb_utils.TritonError.UNAVAILABLE)
         except ValueError as e:
             if self._claim(stream):
