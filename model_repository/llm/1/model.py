@@ -128,8 +128,11 @@ class TritonPythonModel:
             self.active.add(stream)
             stream.id = self.engine.submit(stream.req.prompt, stream.req.params,
                                            lambda d, s=stream: self._on_delta(s, d))
-        except (EngineUnavailable, Overloaded) as e:    # restarting, down for good, or the queue is full:
-            if self._claim(stream):                     # UNAVAILABLE, which Triton clients and routers retry
+        except Overloaded as e:                 # UNAVAILABLE, which Triton clients and routers retry
+            if self._claim(stream):
+                self._fail(sender, f"{e} (retry after {e.retry_after} s)", pb_utils.TritonError.UNAVAILABLE)
+        except EngineUnavailable as e:          # restarting after a crash, or down for good
+            if self._claim(stream):
                 self._fail(sender, str(e), pb_utils.TritonError.UNAVAILABLE)
         except ValueError as e:
             if self._claim(stream):
