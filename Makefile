@@ -47,9 +47,9 @@ bench: setup
 
 # Reliability soak (not part of `make test`, which runs a 30-second one): tritonserver with the default model,
 # 8 clients mixing hits, misses, cancels and bad inputs, and SOAK_KILLS (3) SIGKILLs of the engine process at random
-# times; `make soak SOAK_SECONDS=60` shortens it.
+# times, then a burst of 320 concurrent streams past the queue (max_queue 64 there); `make soak SOAK_SECONDS=60` shortens it.
 soak: setup
-	$(PY) -m scripts.soak --seconds $(SOAK_SECONDS) --concurrency 8 --kills $(SOAK_KILLS)
+	$(PY) -m scripts.soak --seconds $(SOAK_SECONDS) --concurrency 8 --kills $(SOAK_KILLS) --burst 320
 
 # Pagoda next to transformers, mlx-lm, llama.cpp, the memory roofline and itself through tritonserver, in one run
 # (~25 min; the first run builds llama-cpp-python, ~7 min more). `--only SECTION` runs one section.

@@ -93,7 +93,8 @@ def _read_sse(resp: http.client.HTTPResponse, hang_up: bool) -> str:
 
 def burst_grpc(url: str, model: str, prompts: list[list[int]], max_tokens: int = 24, hang_up_every: int = 3,
                malformed_every: int = 8, timeout: float = 120.0) -> Counter:
-    """Streamed requests to a Triton model over gRPC, one client stream each (a hang-up stops its stream)."""
+    """Streamed requests to a Triton model over gRPC, one client stream each; a hang-up stops its stream right after
+    sending."""
     import tritonclient.grpc as grpcclient
 
     from client.stream import grpc_inputs
@@ -107,6 +108,8 @@ def burst_grpc(url: str, model: str, prompts: list[list[int]], max_tokens: int =
         tokens = 0
         try:
             client.async_stream_infer(model, grpc_inputs(prompts[i], params))
+            if plan[i] == "hang_up":            # at once: tritonserver 2.51 can crash when a stream is cancelled
+                return "disconnected"           # while a response is being sent (server#8034, README)
             while True:
                 result, error = events.get(timeout=timeout)
                 if error is not None:
@@ -118,8 +121,6 @@ def burst_grpc(url: str, model: str, prompts: list[list[int]], max_tokens: int =
                     return f"unexpected: {text[:100]}"
                 response = result.get_response()
                 tokens += len(result.as_numpy("output_ids"))
-                if plan[i] == "hang_up" and tokens >= 2:
-                    return "disconnected"
                 if response.parameters["triton_final_response"].bool_param:
                     return "completed" if tokens == max_tokens else f"unexpected: {tokens} tokens"
         finally:

@@ -61,6 +61,7 @@ class Cluster:
     replicas: int = 2
     policy: str = "cache_aware"
     engine_flags: list[str] = field(default_factory=list)
+    replica_flags: dict[int, list[str]] = field(default_factory=dict)     # more flags for replica i
     router_flags: list[str] = field(default_factory=list)
     port: int = 0
     kv_events: bool = False           # replicas publish KV events; the router reads them (kv_aware)
@@ -102,7 +103,7 @@ class Cluster:
     def _replica(self, i: int, port: int, events_port: int) -> Replica:
         log = self.logs / f"replica{i}.log"
         flags = ["--model", self.model, "--port", str(port), "--served-model-name", "pagoda",
-                 "--block-size", str(self.block_size), *self.engine_flags]
+                 "--block-size", str(self.block_size), *self.engine_flags, *self.replica_flags.get(i, [])]
         events = None
         if self.kv_events:
             events = f"tcp://127.0.0.1:{events_port}"

@@ -7,7 +7,8 @@ neither is unexpected.
 
     python -m scripts.soak [--seconds 600] [--concurrency 8] [--max-requests 100000] [--kills 0] [--model DIR]
 Exit status 1 when anything unexpected happened (an error, a stream without FINAL, a leaked block, a mismatch, a
-kill that was not followed by a restart).
+kill that was not followed by a restart, a burst request that ended other than completed, refused before any token,
+hung up or malformed).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from client.flood import BINS, burst_grpc
 from client.metrics import scrape
 from client.stream import grpc_inputs
 from scripts.tritonserver import ROOT, launch
@@ -217,10 +219,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", default=None, help="model directory (default: the embedded small model)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kills", type=int, default=0, help="SIGKILLs of the engine process, at random times")
+    ap.add_argument("--burst", type=int, default=0, help="then this many concurrent streams at once (a third hung "
+                    "up, an eighth malformed), past what the queue holds (max_queue 64 here)")
     ap.add_argument("--log", default=str(ROOT / "perf/results/soak_tritonserver.log"))
     args = ap.parse_args(argv)
     Path(args.log).parent.mkdir(parents=True, exist_ok=True)
-    env = {"PAGODA_NUM_KV_BLOCKS": "48", "PAGODA_MAX_BATCH_SIZE": "4",
+    env = {"PAGODA_NUM_KV_BLOCKS": "48", "PAGODA_MAX_BATCH_SIZE": "4", "PAGODA_MAX_QUEUE": "64",
            "PAGODA_RESTART_LIMIT": str(args.kills + 1)} | ({"PAGODA_MODEL": args.model} if args.model else {})
     log = Path(args.log)
     server = launch(env, log)
@@ -237,6 +241,9 @@ def main(argv: list[str] | None = None) -> dict:
             t.join()
         if soak.counts["engine kills"]:                 # the last restart done before anything is counted
             wait_up(server, soak.counts["engine kills"])
+        rng = random.Random(args.seed + 1)
+        burst = burst_grpc(server.grpc_url, "llm", [[rng.randrange(1000) for _ in range(40)]
+                                                     for _ in range(args.burst)], args.max_tokens)
         leaked = leaked_blocks(server.metrics_url)
         hits = scrape(server.metrics_url, "pagoda_prompt_cache_hits_total")
         restarts = scrape(server.metrics_url, "pagoda_engine_restarts_total")
@@ -251,12 +258,14 @@ def main(argv: list[str] | None = None) -> dict:
                "restarts": restarts, "lost to restarts": c["lost to restarts"],
                "refused while restarting": c["refused while restarting"], "leaked blocks": leaked,
                "prompt-cache hits": hits, "greedy outputs checked": checked, "greedy mismatches": mismatched,
-               "first errors": soak.errors}
+               "burst": args.burst, **{f"burst {b}": burst[b] for b in BINS},
+               "burst unexpected": sum(n for b, n in burst.items() if b not in BINS),
+               "first errors": soak.errors + [b for b in burst if b not in BINS][:5]}
     print("soak summary\n" + "\n".join(f"  {k:26} {v}" for k, v in summary.items() if k != "first errors"))
     for e in soak.errors:
         print(f"  error: {e}")
     summary["ok"] = not (c["unexpected errors"] or c["responses without FINAL"] or leaked or mismatched
-                         or restarts != c["engine kills"])
+                         or restarts != c["engine kills"] or summary["burst unexpected"])
     print(json.dumps({"ok": summary["ok"]}))
     return summary
 

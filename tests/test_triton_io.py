@@ -163,7 +163,7 @@ def test_every_series_exists_before_any_request():
     assert {"pagoda_requests_total", "pagoda_prompt_cache_hits_total", "pagoda_engine_restarts_total",
             "pagoda_time_to_first_token_seconds_count", "pagoda_time_to_first_token_seconds_bucket"} <= names
     assert {labels["status"] for name, labels in m.series() if name == "pagoda_requests_total"} == \
-        {"completed", "cancelled", "error"}
+        {"completed", "cancelled", "error", "refused"}
     assert {labels["state"] for name, labels in m.series() if name == "pagoda_kv_blocks"} == {"free", "used", "cached"}
     FakeFamily.families = {}
     mirror = Mirror(m, FakeFamily, {"counter": "C", "gauge": "G", "histogram": "H"}, {"model": "llm"})

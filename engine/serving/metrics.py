@@ -27,7 +27,7 @@ class Metrics:
     """Every series exists from the start: counters at 0 for each label value they take, gauges at 0 until the
     engine sets them, histograms empty; a scrape of an idle server shows them all and rate() sees the first
     increment."""
-    STATUSES = ("completed", "cancelled", "error")
+    STATUSES = ("completed", "cancelled", "error", "refused")       # refused: at admission (Overloaded)
     KV_STATES = ("free", "used", "cached")
 
     def __init__(self, model_name: str = "pagoda") -> None:

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 
 from engine.config import EngineConfig
+from engine.core.admission import Overloaded
 from engine.core.engine import Engine
 from engine.core.output import Delta
 from engine.core.request import Request
@@ -57,7 +58,11 @@ class ThreadedEngine(EngineClient):
         req = self.engine.make_request(prompt, params, request_id)
         with self.admitting:                # the queue's length counts what the inbox holds too
             waiting = len(self.engine.scheduler.waiting) + self.inbox.qsize()
-            self.engine.admission.check(waiting, time.monotonic())      # Overloaded: refused before any output
+            try:
+                self.engine.admission.check(waiting, time.monotonic())  # refused before any output
+            except Overloaded:
+                self.metrics.requests.labels(status="refused").inc()
+                raise
             self.streams[req.id] = push
             self.inbox.put(req)
         self.wake.set()
