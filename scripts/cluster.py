@@ -61,11 +61,11 @@ class Cluster:
     replicas: int = 2
     policy: str = "cache_aware"
     engine_flags: list[str] = field(default_factory=list)
-    replica_flags: dict[int, list[str]] = field(default_factory=dict)     # more flags for replica i
     router_flags: list[str] = field(default_factory=list)
     port: int = 0
     kv_events: bool = False           # replicas publish KV events; the router reads them (kv_aware)
     block_size: int = 32              # the replicas' KV block size, which the router's event index must share
+    replica_flags: dict[int, list[str]] = field(default_factory=dict)     # more flags for replica i
     logs: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="pagoda-cluster-")))
     workers: list[Replica] = field(default_factory=list)
     router: subprocess.Popen | None = None

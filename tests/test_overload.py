@@ -20,7 +20,7 @@ from tests.helpers import post, random_ids, stop_checked, wait_until
 from tests.helpers import start_openai as start
 from tests.test_triton import http as triton_http
 
-LIMITS = ["--max-batch-size", "2", "--max-queue", "4"]
+LIMITS = ["--max-batch-size", "2", "--max-queue", "4", "--num-kv-blocks", "40"]       # 40 blocks: 1280 tokens
 PROMPTS = [random_ids(40, seed=100 + i) for i in range(36)]
 
 
@@ -47,6 +47,10 @@ def test_openai_burst(tiny_dir, tmp_path):
         want = LLM(model=tiny_dir, dtype="float32").generate(PROMPTS[0], SamplingParams(
             max_tokens=8, temperature=0, ignore_eos=True))[0]
         assert status == 200 and out["choices"][0]["token_ids"] == want.token_ids
+        # a prompt the whole pool cannot hold is refused at submit, naming it, not queued to fail later
+        status, out = post(url, "/v1/completions", {"model": "tiny0", "prompt": random_ids(1400, seed=5),
+                                                    "max_tokens": 4})
+        assert status == 400 and out["error"]["param"] == "input_ids" and "KV blocks" in out["error"]["message"]
     finally:
         proc.terminate()
         assert proc.wait(30) in (0, -signal.SIGTERM)
