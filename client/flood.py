@@ -23,10 +23,12 @@ def _plan(n: int, hang_up_every: int, malformed_every: int) -> list[str]:
             "hang_up" if hang_up_every and i % hang_up_every == 0 else "whole" for i in range(n)]
 
 
-def _run(n: int, one: Callable[[int], str]) -> Counter:
-    """`one(i)` for every request at once, one thread each; the Counter of what they returned."""
+def _run(n: int, one: Callable[[int, threading.Barrier], str]) -> Counter:
+    """`one(i, go)` for every request, one thread each, sending together once all are connected (`go.wait()`);
+    the Counter of what they returned."""
     endings: list[str] = [""] * n
-    threads = [threading.Thread(target=lambda i=i: endings.__setitem__(i, _guard(one, i))) for i in range(n)]
+    go = threading.Barrier(n, timeout=60)
+    threads = [threading.Thread(target=lambda i=i: endings.__setitem__(i, _guard(one, i, go))) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
@@ -34,9 +36,9 @@ def _run(n: int, one: Callable[[int], str]) -> Counter:
     return Counter(endings)
 
 
-def _guard(one: Callable[[int], str], i: int) -> str:
+def _guard(one: Callable[[int, threading.Barrier], str], i: int, go: threading.Barrier) -> str:
     try:
-        return one(i)
+        return one(i, go)
     except Exception as e:              # a transport failure the server caused is a finding, not a crash
         return f"unexpected: {type(e).__name__}: {e}"[:120]
 
@@ -47,7 +49,7 @@ def burst_openai(url: str, model: str, prompts: list[list[int]], max_tokens: int
     host, port = url.split(":")
     plan = _plan(len(prompts), hang_up_every, malformed_every)
 
-    def one(i: int) -> str:
+    def one(i: int, go: threading.Barrier) -> str:
         stream = plan[i] == "hang_up" or i % 2 == 0
         body = {"model": model, "prompt": prompts[i], "max_tokens": max_tokens, "ignore_eos": True,
                 "temperature": 0, "stream": stream}
@@ -55,6 +57,8 @@ def burst_openai(url: str, model: str, prompts: list[list[int]], max_tokens: int
             body["temperature"] = -1
         conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
         try:
+            conn.connect()
+            go.wait()
             conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
             resp = conn.getresponse()
             if resp.status == 429:
@@ -100,14 +104,16 @@ def burst_grpc(url: str, model: str, prompts: list[list[int]], max_tokens: int =
     from client.stream import grpc_inputs
     plan = _plan(len(prompts), hang_up_every, malformed_every)
 
-    def one(i: int) -> str:
+    def one(i: int, go: threading.Barrier) -> str:
         params = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": -1 if plan[i] == "malformed" else 0}
         events: queue.Queue = queue.Queue()
         client = grpcclient.InferenceServerClient(url)
         client.start_stream(callback=lambda result, error: events.put((result, error)))
         tokens = 0
         try:
-            client.async_stream_infer(model, grpc_inputs(prompts[i], params))
+            inputs = grpc_inputs(prompts[i], params)
+            go.wait()
+            client.async_stream_infer(model, inputs)
             if plan[i] == "hang_up":            # at once: tritonserver 2.51 can crash when a stream is cancelled
                 return "disconnected"           # while a response is being sent (server#8034, README)
             while True:

@@ -98,12 +98,16 @@ def test_triton_grpc_burst(tiny_dir, tmp_path):
         # code is dropped there, as a gRPC stream carries only the message): the message names the limit and the wait
         client = grpcclient.InferenceServerClient(srv.grpc_url)
         client.start_stream(callback=lambda result, error: None)
-        for i in range(6):                      # two decoding, four waiting
-            client.async_stream_infer("llm", grpc_inputs(PROMPTS[i], {"max_tokens": 3000, "ignore_eos": True}))
-        wait_until(lambda: scrape(srv.metrics_url, "pagoda_queue_depth") == 4, "the queue to fill")
-        status, body = triton_http(srv, "/v2/models/llm/generate", {"text_input": "hi"})
-        client.stop_stream(cancel_requests=True)
-        client.close()
+        try:
+            for i in range(6):                  # two decoding, then four waiting
+                client.async_stream_infer("llm", grpc_inputs(PROMPTS[i], {"max_tokens": 3000, "ignore_eos": True}))
+                if i == 1:
+                    wait_until(lambda: scrape(srv.metrics_url, "pagoda_batch_size") == 2, "two decoding")
+            wait_until(lambda: scrape(srv.metrics_url, "pagoda_queue_depth") == 4, "the queue to fill")
+            status, body = triton_http(srv, "/v2/models/llm/generate", {"text_input": "hi"})
+        finally:
+            client.stop_stream(cancel_requests=True)
+            client.close()
         assert status == 400 and "max_queue" in json.loads(body)["error"] and "retry after" in body.decode(), body
         wait_until(lambda: idle(srv.metrics_url), "nothing held after the cancels")
     finally:
