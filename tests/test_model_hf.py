@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,3 +101,25 @@ def test_engine_decodes_transformers_greedy_tokens(tmp_path_factory, storage):
     llm = LLM(model=path, dtype="float32", max_batch_size=2, kv_storage=storage)
     got = llm.generate([ids], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0].token_ids
     assert got == out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("arch,message", [
+    (["Phi3ForCausalLM"], "model: architecture 'Phi3ForCausalLM' is not supported (supported: Qwen2ForCausalLM)"),
+    (None, "model: model_type 'llama' is not supported"),
+])
+def test_unknown_architectures_are_refused_by_name_before_any_weight_is_read(tiny_dir, tmp_path, monkeypatch,
+                                                                             arch, message):
+    from engine import LLM
+    config = json.loads((Path(tiny_dir) / "config.json").read_text())
+    config.pop("architectures")
+    config["model_type"] = "llama"
+    if arch:
+        config["architectures"] = arch
+    for f in ("tokenizer.json", "model.safetensors"):
+        shutil.copy(Path(tiny_dir) / f, tmp_path / f)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    opened = []
+    monkeypatch.setattr("engine.models.loader.safe_open", lambda *a, **k: opened.append(a) or 1 / 0)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LLM(model=str(tmp_path))
+    assert opened == []

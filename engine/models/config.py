@@ -5,6 +5,19 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+SUPPORTED = ("Qwen2ForCausalLM",)
+
+
+def check_architecture(data: dict) -> None:
+    """Refuse, by name and before any weight is read, a checkpoint whose architecture this engine does not run."""
+    names = data.get("architectures") or []
+    if names:
+        if not any(n in SUPPORTED for n in names):
+            raise ValueError(f"model: architecture {names[0]!r} is not supported (supported: {', '.join(SUPPORTED)})")
+    elif data.get("model_type") != "qwen2":
+        raise ValueError(f"model: model_type {data.get('model_type')!r} is not supported "
+                         f"(supported: {', '.join(SUPPORTED)})")
+
 
 @dataclass(slots=True)
 class ModelConfig:
@@ -32,6 +45,7 @@ class ModelConfig:
         if not (path / "config.json").is_file():
             raise ValueError(f"model: {path} has no config.json (it takes a Hugging Face Qwen2 directory)")
         data = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        check_architecture(data)
         eos = data.get("eos_token_id")
         gen = path / "generation_config.json"
         if gen.exists():
