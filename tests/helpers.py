@@ -153,3 +153,14 @@ def missing_series(metrics_url: str) -> list[str]:
         if not any(line.split("{")[0].split(" ")[0] == name and all(w in line for w in want) for line in lines):
             missing.append(f"{name}{labels}")
     return missing
+
+
+def triton_post(server, path: str, body: dict) -> tuple[int, bytes]:
+    """POST JSON to a tritonserver's HTTP endpoint (generate, generate_stream): its status and raw body."""
+    req = urllib.request.Request(f"http://{server.http_url}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()

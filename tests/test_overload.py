@@ -16,9 +16,8 @@ from client.metrics import scrape
 from client.stream import grpc_inputs, stream_grpc
 from engine import LLM, SamplingParams
 from scripts import tritonserver as triton_server
-from tests.helpers import post, random_ids, stop_checked, wait_until
+from tests.helpers import post, random_ids, stop_checked, triton_post, wait_until
 from tests.helpers import start_openai as start
-from tests.test_triton import http as triton_http
 
 LIMITS = ["--max-batch-size", "2", "--max-queue", "4", "--num-kv-blocks", "40"]       # 40 blocks: 1280 tokens
 PROMPTS = [random_ids(40, seed=100 + i) for i in range(36)]
@@ -104,7 +103,7 @@ def test_triton_grpc_burst(tiny_dir, tmp_path):
                 if i == 1:
                     wait_until(lambda: scrape(srv.metrics_url, "pagoda_batch_size") == 2, "two decoding")
             wait_until(lambda: scrape(srv.metrics_url, "pagoda_queue_depth") == 4, "the queue to fill")
-            status, body = triton_http(srv, "/v2/models/llm/generate", {"text_input": "hi"})
+            status, body = triton_post(srv, "/v2/models/llm/generate", {"text_input": "hi"})
         finally:
             client.stop_stream(cancel_requests=True)
             client.close()

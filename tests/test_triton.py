@@ -15,7 +15,7 @@ from client.metrics import scrape
 from client.stream import grpc_inputs, stream_grpc, stream_http
 from engine import LLM, SamplingParams
 from scripts import tritonserver as triton_server
-from tests.helpers import collect, missing_series, random_ids, stop_checked, wait_until
+from tests.helpers import collect, missing_series, random_ids, stop_checked, triton_post, wait_until
 
 PROMPT = ("A serving engine reads a prompt, turns it into tokens, and computes the keys and values of every token "
           "once. Those keys and values are kept in a cache, so that each new token only attends to what was already "
@@ -89,7 +89,7 @@ def test_logprobs_and_cumulative_logprob(server, tiny_dir):
     assert float(responses[-1]["cumulative_logprob"][0]) == pytest.approx(want.cumulative_logprob, abs=1e-3)
     plain, _ = collect(server, grpc_inputs(ids, {"max_tokens": 2}, **flags))       # not asked: null, NaN
     assert plain[-1]["logprobs"][0] == b"null" and math.isnan(float(plain[-1]["cumulative_logprob"][0]))
-    status, body = http(server, "/v2/models/llm/generate",
+    status, body = triton_post(server, "/v2/models/llm/generate",
                         {"text_input": PROMPT, "exclude_input_in_output": True, "return_logprobs": True,
                          "sampling_parameters": json.dumps({"max_tokens": 5, "temperature": 0, "logprobs": 1})})
     assert status == 200 and len(json.loads(json.loads(body)["logprobs"])) == 5
@@ -134,9 +134,9 @@ def test_n_sequences_carry_one_element_each(server, tiny_dir):
     assert [t.decode() for t in whole[0]["text_output"]] == [o.text for o in want.outputs]
     assert whole[0]["num_output_tokens"].tolist() == [6, 6, 6]
     assert whole[0]["output_ids"].tolist() == [t for o in want.outputs for t in o.token_ids]
-    status, body = http(server, "/v2/models/llm/generate", {"input_ids": ids, "sampling_parameters": json.dumps(sent),
-                                                             "return_finish_reason": True,
-                                                             "return_num_output_tokens": True})
+    status, body = triton_post(server, "/v2/models/llm/generate",
+                               {"input_ids": ids, "sampling_parameters": json.dumps(sent), "return_finish_reason": True,
+                                "return_num_output_tokens": True})
     out = json.loads(body)
     assert status == 200 and out["text_output"] == [o.text for o in want.outputs]
     assert out["num_output_tokens"] == [6, 6, 6] and out["finish_reason"] == ["length"] * 3
@@ -157,8 +157,9 @@ def test_structured_outputs_in_sampling_parameters(server):
     assert error is None and responses[-1]["finish_reason"][0] == b"stop"
     jsonschema.validate(json.loads("".join(r["text_output"][0].decode() for r in responses)), schema)
     legacy = {"max_tokens": 10, "guided_decoding": json.dumps({"choice": ["left", "right"]})}
-    status, body = http(server, "/v2/models/llm/generate", {"text_input": PROMPT, "exclude_input_in_output": True,
-                                                            "sampling_parameters": json.dumps(legacy)})
+    status, body = triton_post(server, "/v2/models/llm/generate",
+                               {"text_input": PROMPT, "exclude_input_in_output": True,
+                                "sampling_parameters": json.dumps(legacy)})
     assert status == 200 and json.loads(body)["text_output"] in ("left", "right")
     for bad, message in (({"structured_outputs": '{"regex": "("}'}, "structured_outputs.regex: invalid regex"),
                          ({"structured_outputs": "{oops"}, "structured_outputs: not valid JSON"),
@@ -176,29 +177,19 @@ def test_token_ids_input(server, tiny_dir):
     assert [int(i) for r in responses for i in r["output_ids"]] == expected.token_ids
 
 
-def http(server, path: str, body: dict) -> tuple[int, bytes]:
-    req = urllib.request.Request(f"http://{server.http_url}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
 def test_http_generate_and_sse(server, tiny_dir):
     expected = LLM(model=tiny_dir, dtype="float32").generate(PROMPT, SamplingParams(max_tokens=8, temperature=0))[0]
-    status, body = http(server, "/v2/models/llm/generate",
+    status, body = triton_post(server, "/v2/models/llm/generate",
                         {"text_input": PROMPT, "sampling_parameters": json.dumps({"max_tokens": 8, "temperature": 0}),
                          "exclude_input_in_output": True, "return_finish_reason": True})
     assert status == 200
     out = json.loads(body)
     assert out["text_output"] == expected.text and out["output_ids"] == expected.token_ids
     assert out["finish_reason"] == "length"
-    status, body = http(server, "/v2/models/llm/generate",
+    status, body = triton_post(server, "/v2/models/llm/generate",
                         {"text_input": PROMPT, "sampling_parameters": json.dumps({"max_tokens": 8, "temperature": 0})})
     assert json.loads(body)["text_output"] == PROMPT + expected.text     # vLLM backend default: input prepended
-    status, body = http(server, "/v2/models/llm/generate_stream",
+    status, body = triton_post(server, "/v2/models/llm/generate_stream",
                         {"text_input": PROMPT, "stream": True,
                          "sampling_parameters": json.dumps({"max_tokens": 8, "temperature": 0})})
     events = [json.loads(line[5:]) for line in body.splitlines() if line.startswith(b"data:")]
@@ -210,7 +201,7 @@ def test_http_generate_and_sse(server, tiny_dir):
 def test_bad_input_is_an_error_naming_the_field(server):
     responses, error = collect(server, grpc_inputs(PROMPT, {"max_tokens": -1}))
     assert error is not None and "max_tokens" in str(error)
-    status, body = http(server, "/v2/models/llm/generate",
+    status, body = triton_post(server, "/v2/models/llm/generate",
                         {"text_input": PROMPT, "sampling_parameters": json.dumps({"temperature": -1})})
     assert status == 400 and "temperature" in json.loads(body)["error"]
     responses, error = collect(server, grpc_inputs(PROMPT, {"max_tokens": 3}))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import urllib.error
 import urllib.request
 
 import numpy as np
@@ -14,7 +13,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from scripts import tritonserver as triton_server
-from tests.helpers import stop_checked
+from tests.helpers import stop_checked, triton_post
 
 QUESTION = "What is Triton Inference Server?"
 # vllm_backend's samples/prompts.txt
@@ -39,18 +38,15 @@ def server(tiny_dir, tmp_path_factory):
 
 
 def post(server, path: str, body: dict) -> tuple[int, bytes]:
-    req = urllib.request.Request(f"http://{server.http_url}/v2/models/vllm_model/{path}",
-                                 data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
+    return triton_post(server, f"/v2/models/vllm_model/{path}", body)
 
 
-def greedy(tiny_dir: str, prompt: str, max_tokens: int) -> str:
-    return LLM(model=tiny_dir, dtype="float32").generate(prompt, SamplingParams(max_tokens=max_tokens,
-                                                                                temperature=0))[0].text
+@pytest.fixture(scope="module")
+def greedy(tiny_dir):
+    """The offline engine's greedy text of `max_tokens` after a prompt."""
+    llm = LLM(model=tiny_dir, dtype="float32")
+    return lambda prompt, max_tokens: llm.generate(prompt, SamplingParams(max_tokens=max_tokens,
+                                                                          temperature=0))[0].text
 
 
 def test_the_model_json_arguments_took_effect(server):
@@ -63,26 +59,26 @@ def test_the_model_json_arguments_took_effect(server):
     assert config["model_transaction_policy"]["decoupled"] is True
 
 
-def test_readme_generate_example_is_greedy_and_honours_max_tokens(server, tiny_dir):
+def test_readme_generate_example_is_greedy_and_honours_max_tokens(server, greedy):
     """The README's curl, with max_tokens: the request's parameters are its sampling parameters; not streaming,
     the prompt is prepended (exclude_input_in_output's default)."""
     body = {"text_input": QUESTION, "parameters": {"stream": False, "temperature": 0, "max_tokens": 12}}
     first, second = post(server, "generate", body), post(server, "generate", body)
     assert first[0] == second[0] == 200
     text = json.loads(first[1])["text_output"]
-    assert text == json.loads(second[1])["text_output"] == QUESTION + greedy(tiny_dir, QUESTION, 12)
+    assert text == json.loads(second[1])["text_output"] == QUESTION + greedy(QUESTION, 12)
     # the README's own example, as written: 16 tokens, vLLM's default max_tokens
     status, out = post(server, "generate", {"text_input": QUESTION, "parameters": {"stream": False,
                                                                                   "temperature": 0}})
-    assert status == 200 and json.loads(out)["text_output"] == QUESTION + greedy(tiny_dir, QUESTION, 16)
+    assert status == 200 and json.loads(out)["text_output"] == QUESTION + greedy(QUESTION, 16)
 
 
-def test_generate_stream_with_parameters(server, tiny_dir):
+def test_generate_stream_with_parameters(server, greedy):
     status, body = post(server, "generate_stream", {"text_input": QUESTION, "parameters": {
         "stream": True, "temperature": 0, "max_tokens": 5, "return_num_output_tokens": True}})
     events = [json.loads(line[5:]) for line in body.splitlines() if line.startswith(b"data:")]
     assert status == 200 and len(events) == 5 and all("error" not in e for e in events)
-    assert "".join(e["text_output"] for e in events) == greedy(tiny_dir, QUESTION, 5)     # no prompt when streaming
+    assert "".join(e["text_output"] for e in events) == greedy(QUESTION, 5)     # no prompt when streaming
     status, body = post(server, "generate_stream", {"text_input": QUESTION, "exclude_input_in_output": False,
                                                     "parameters": {"stream": True, "max_tokens": 5}})
     assert status == 400 and b"exclude_input_in_output" in body
@@ -100,7 +96,7 @@ def test_parameters_are_validated_like_the_tensor(server):
     assert status == 200 and len(json.loads(body)["output_ids"]) == 2
 
 
-def test_sample_grpc_client_request_shape(server, tiny_dir):
+def test_sample_grpc_client_request_shape(server, greedy):
     """samples/client.py's requests: one gRPC stream of requests with an id each, stream false, exclude false, and
     the sampling parameters both as the tensor and as request parameters (string values); then the same with the
     parameters alone, greedy, and a stop list sent as JSON text."""
@@ -139,7 +135,7 @@ def test_sample_grpc_client_request_shape(server, tiny_dir):
     assert all(len(texts) == 1 and texts[0].startswith(PROMPTS[int(i)]) for i, texts in sampled.items())
     exact = asyncio.run(run({"temperature": 0.0, "max_tokens": 6}, tensor=False))
     assert {i: texts[0] for i, texts in exact.items()} == {
-        str(i): p + greedy(tiny_dir, p, 6) for i, p in enumerate(PROMPTS)}
-    stop = greedy(tiny_dir, PROMPTS[0], 6)[2:4]
+        str(i): p + greedy(p, 6) for i, p in enumerate(PROMPTS)}
+    stop = greedy(PROMPTS[0], 6)[2:4]
     stopped = asyncio.run(run({"temperature": 0, "max_tokens": 6, "stop": json.dumps([stop])}, tensor=False))
-    assert stopped["0"][0] == PROMPTS[0] + greedy(tiny_dir, PROMPTS[0], 6).split(stop)[0]
+    assert stopped["0"][0] == PROMPTS[0] + greedy(PROMPTS[0], 6).split(stop)[0]

@@ -52,9 +52,7 @@ class Admission:
 
     def retry_after(self, waiting: int, now: float) -> int:
         """Seconds until the queue ahead has drained, by the measured rate, within RETRY_S."""
-        wait = self.wait(waiting, now)
-        low, high = RETRY_S
-        return low if wait is None else min(high, max(low, math.ceil(wait)))
+        return _seconds(self.wait(waiting, now))
 
     def check(self, waiting: int, now: float) -> None:
         """Raise Overloaded when a request cannot join a queue of `waiting` now."""
@@ -64,4 +62,9 @@ class Admission:
         wait = self.wait(waiting, now) if self.max_queue_wait else None
         if wait is not None and wait > self.max_queue_wait:
             raise Overloaded(f"queue: the estimated wait ({wait:.1f} s for {waiting} requests ahead) exceeds "
-                             f"max_queue_wait ({self.max_queue_wait:g} s)", self.retry_after(waiting, now))
+                             f"max_queue_wait ({self.max_queue_wait:g} s)", _seconds(wait))
+
+
+def _seconds(wait: float | None) -> int:
+    low, high = RETRY_S
+    return low if wait is None else min(high, max(low, math.ceil(wait)))

@@ -2,7 +2,6 @@
 `on_delta` the moment it exists (a prefill's first token does not wait for the decode step launched after it)."""
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -20,14 +19,13 @@ from engine.core.scheduler import Scheduler
 from engine.kv.base import KVStorage
 from engine.kv.block_pool import BlockPool
 from engine.kv.dense import DenseKV
-from engine.kv.paged import PagedKV, cdiv, contiguity
+from engine.kv.paged import PagedKV, contiguity
 from engine.kv.prefix_cache import PrefixCache
+from engine.kv.sizing import pool_blocks
 from engine.runners import make_runner
 from engine.runners.base import ModelRunner, Row, TokenLogprobs
 from engine.serving.metrics import Metrics
 from engine.tokenizer import Tokenizer
-
-log = logging.getLogger("pagoda")
 
 
 def _unset(delta: Delta) -> None:
@@ -67,7 +65,7 @@ class Engine:
         config, runner = self.config, self.runner
         if not config.paged:
             return DenseKV(runner, runner.bytes_per_token, config.prompt_cache_bytes if config.prompt_cache else None)
-        num_blocks = config.num_kv_blocks or self._auto_blocks()
+        num_blocks = config.num_kv_blocks or pool_blocks(config, runner, self.max_model_len)
         runner.init_paged(num_blocks, config.block_size)
         cache = PrefixCache(config.block_size, self.kv_events) if config.prompt_cache else None
         self.pool = BlockPool(num_blocks, config.block_size, config.contiguous_blocks, cache)
@@ -89,21 +87,6 @@ class Engine:
         """Hand this step's KV events to the publisher (called at the end of each step)."""
         if self.kv_events is not None and self.kv_events.pending:
             self.publisher.publish(self.kv_events.drain())
-
-    def _auto_blocks(self) -> int:
-        per_block = self.runner.bytes_per_token * self.config.block_size
-        util = self.config.gpu_memory_utilization
-        budget = self.runner.kv_budget(util, self.config.prefill_chunk) if util else None
-        if budget is not None:          # as vLLM: the pool takes all the share leaves
-            if budget < per_block:
-                raise ValueError(f"gpu_memory_utilization: {util} of the device leaves no room for KV blocks once "
-                                 f"the weights are loaded")
-            return budget // per_block
-        if util:
-            log.info("pagoda: gpu_memory_utilization has no effect on this device; kv_cache_bytes bounds the KV pool")
-        by_bytes = max(1, self.config.kv_cache_bytes // per_block)
-        by_need = 4 * self.config.max_batch_size * cdiv(self.max_model_len, self.config.block_size)
-        return min(by_bytes, by_need)
 
     # ---- requests in ----
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,

@@ -160,7 +160,8 @@ NOT_HONOURED: dict[str, tuple[Any, ...]] = {
     "skip_reading_prefix_cache": (None, False), "thinking_token_budget": (None,), "repetition_detection": (None,),
     "routed_experts_prompt_start": (0,), "trace_decode_token_ids": (None,), "lora_name": (None, ""),
 }
-_INTS = {"n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"}
+INTEGER_KEYS = {"n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs",
+                "truncate_prompt_tokens"}
 NULLABLE = {"cache_salt", "seed", "logprobs", "prompt_logprobs", "logit_bias", "structured_outputs", "bad_words",
             "allowed_token_ids", "truncate_prompt_tokens"}
 _FLOATS = {"temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"}
@@ -174,7 +175,7 @@ def _coerce(key: str, value: Any) -> Any:
             return {int(k): float(v) if isinstance(v, str) else v for k, v in value.items()}
         except (TypeError, ValueError):
             return _fail(key, value, "token ids -> numbers")
-    if key in _INTS and isinstance(value, str):
+    if key in INTEGER_KEYS and isinstance(value, str):
         try:
             return int(value.strip())
         except ValueError:

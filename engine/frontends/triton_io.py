@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.core.output import PositionLogprobs
-from engine.core.sampling import SamplingParams
+from engine.core.sampling import INTEGER_KEYS, SamplingParams
 
 EXTRAS = {"return_finish_reason": ("finish_reason",), "return_cumulative_logprob": ("cumulative_logprob",),
           "return_logprobs": ("logprobs",), "return_num_input_tokens": ("num_input_tokens",),
@@ -97,8 +97,6 @@ def parse(inputs: dict[str, np.ndarray], parameters: str | dict | None = None) -
 # Keys whose values are lists or objects: a Triton parameter is a string, number or boolean, so a client sends these
 # as JSON text. `stop` may also be one plain stop string.
 _JSON_VALUED = {"stop", "stop_token_ids", "bad_words", "allowed_token_ids", "logit_bias"}
-_INTEGERS = {"n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs",
-             "truncate_prompt_tokens"}
 
 
 def from_parameters(parameters: str | dict | None) -> SamplingParams:
@@ -120,7 +118,7 @@ def from_parameters(parameters: str | dict | None) -> SamplingParams:
             except ValueError:
                 if key != "stop":           # a stop string may start with a bracket
                     raise ValueError(f"{key}: expected JSON text of a list, got {value!r}") from None
-        elif key in _INTEGERS and isinstance(value, float) and value.is_integer():
+        elif key in INTEGER_KEYS and isinstance(value, float) and value.is_integer():
             data[key] = int(value)
     return SamplingParams.from_dict(data)
 
