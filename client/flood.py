@@ -56,9 +56,11 @@ def burst_openai(url: str, model: str, prompts: list[list[int]], max_tokens: int
         if plan[i] == "malformed":
             body["temperature"] = -1
         conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+        hang_up = plan[i] == "hang_up"
         try:
             conn.connect()
-            go.wait()
+            if not hang_up:     # the hang-ups go first, as their threads start, so some get a stream to leave
+                go.wait()
             conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
             resp = conn.getresponse()
             if resp.status == 429:
@@ -74,9 +76,11 @@ def burst_openai(url: str, model: str, prompts: list[list[int]], max_tokens: int
             if not stream:
                 out = json.loads(resp.read())
                 return "completed" if out["choices"][0]["finish_reason"] == "length" else "unexpected: not whole"
-            return _read_sse(resp, hang_up=plan[i] == "hang_up")
+            return _read_sse(resp, hang_up)
         finally:
             conn.close()
+            if hang_up:         # then the rest are released together
+                go.wait()
     return _run(len(prompts), one)
 
 
