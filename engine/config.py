@@ -23,7 +23,7 @@ def option(default: Any, help: str, choices: tuple[str, ...] = (), low: int | No
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str | None = option(None, "Hugging Face Qwen2 directory (default: the embedded small model)")
+    model: str | None = option(None, "Hugging Face model directory (default: the embedded small model)")
     tokenizer: str | None = option(None, "directory holding tokenizer.json and tokenizer_config.json (default: "
                                    "the model's)")
     served_model_name: str | None = option(None, "the model's name in the API and the metrics' model_name label "

@@ -19,7 +19,13 @@ class Tokenizer:
         self.texts: dict[int, str] = {}
 
     def encode(self, text: str) -> list[int]:
+        """The text's tokens alone (a chat template's output, which holds its own BOS; stop and bad words)."""
         return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw prompt's tokens with what the tokenizer's post-processor adds (Llama 3's, Mistral's and Gemma's
+        BOS; nothing for Qwen), as Hugging Face and vLLM encode a completion prompt."""
+        return self.tok.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -17,7 +17,7 @@ from tests.helpers import run_workload as run
 
 mx = pytest.importorskip("mlx.core")
 
-from engine.models.qwen2_mlx import load_mlx  # noqa: E402
+from engine.models.decoder_mlx import load_mlx  # noqa: E402
 from engine.runners.mlx import attention as mlx_attention  # noqa: E402
 
 REFERENCE = select("reference", "cpu")

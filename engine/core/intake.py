@@ -64,7 +64,7 @@ class Intake:
     def _tokens(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], str]:
         """The prompt's token ids (truncated as asked) and the name its errors use."""
         if isinstance(prompt, str):
-            ids, field = self.tokenizer.encode(prompt), "prompt"
+            ids, field = self.tokenizer.encode_prompt(prompt), "prompt"
         else:
             ids, field = list(prompt), "input_ids"
             vocab = self.runner.vocab_size

@@ -13,7 +13,7 @@ from engine.models.presets import PRESETS
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    mk = sub.add_parser("make-model", help="write a seeded random Qwen2 checkpoint in Hugging Face layout")
+    mk = sub.add_parser("make-model", help="write a seeded random checkpoint of a preset in Hugging Face layout")
     mk.add_argument("--preset", required=True, choices=sorted(PRESETS))
     mk.add_argument("--out", required=True)
     mk.add_argument("--seed", type=int, default=0)
@@ -72,8 +72,8 @@ def generate(config: EngineConfig, args: argparse.Namespace) -> int:
     engine = Engine(config, on_delta=lambda d: arrivals.append((time.monotonic(), d)))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.request_seed)
-    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) \
-        if args.chat else args.prompt
+    chat = args.chat and engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    prompt = engine.tokenizer.encode(chat) if chat else args.prompt
     for run in range(args.repeat):
         req = engine.add(engine.make_request(prompt, params))
         start, first, last, final = time.monotonic(), 0.0, 0.0, None

@@ -12,18 +12,18 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 class CpuDecode:
-    """`decode(q, k, v, k_cache, v_cache, slots, tables, seq_lens, scale)`: writes k/v [B, n_kv, hd] at `slots` of
-    the layer's caches [num_blocks, block_size, n_kv, hd], returns attention [B, nh, hd] (contiguous); fp32 or bf16
-    (computed in fp32)."""
+    """`decode(q, k, v, k_cache, v_cache, slots, tables, seq_lens, scale, window)`: writes k/v [B, n_kv, hd] at
+    `slots` of the layer's caches [num_blocks, block_size, n_kv, hd], returns attention [B, nh, hd] (contiguous)
+    over each row's last `window` positions (0: all); fp32 or bf16 (computed in fp32)."""
 
     def __init__(self, lib: ctypes.CDLL, threads: int) -> None:
-        args = [_P, _P, _P, _I, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P, ctypes.c_int]
+        args = [_P, _P, _P, _I, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, ctypes.c_float, _I, _P, ctypes.c_int]
         self.fns = {d: cpu_build.bind(lib, f"paged_decode_{n}", args) for d, n in DTYPES.items()}
         self.threads = threads
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+                 scale: float, window: int = 0) -> torch.Tensor:
         q, k, v = (rows(t) for t in (q, k, v))
         if k.stride(0) != v.stride(0):
             k, v = k.contiguous(), v.contiguous()
@@ -31,7 +31,7 @@ class CpuDecode:
         out = torch.empty((b, nh, hd), dtype=q.dtype)
         self.fns[q.dtype](q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), k_cache.data_ptr(),
                           v_cache.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
-                          seq_lens.data_ptr(), b, nh, n_kv, hd, bs, scale, out.data_ptr(), self.threads)
+                          seq_lens.data_ptr(), b, nh, n_kv, hd, bs, scale, window, out.data_ptr(), self.threads)
         return out
 
 

@@ -1,5 +1,5 @@
 // Every layer of a paged decode step in one call, fp32 or bf16: per layer the six fused calls of Layer.fused in
-// models/qwen2.py (RMSNorm + QKV, RoPE, KV write + attention, o_proj + residual, RMSNorm + gate/up, SwiGLU + down +
+// models/decoder.py (RMSNorm + QKV, RoPE, KV write + attention, o_proj + residual, RMSNorm + gate/up, SwiGLU + down +
 // residual), with no Python between them. The kernels are the ones the per-call path uses (cpu_gemv, cpu_pointwise,
 // cpu_attention), so both paths compute the same thing.
 #include <stdint.h>
@@ -16,10 +16,10 @@ void rope_f32(float*, const float*, const float*, int64_t, int64_t, int64_t, int
 void rope_bf16(bf16*, const bf16*, const bf16*, int64_t, int64_t, int64_t, int64_t);
 void paged_decode_f32(const float*, const float*, const float*, int64_t, int64_t, float*, float*, const int64_t*,
                       const int64_t*, int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float,
-                      float*, int);
+                      int64_t, float*, int);
 void paged_decode_bf16(const bf16*, const bf16*, const bf16*, int64_t, int64_t, bf16*, bf16*, const int64_t*,
                        const int64_t*, int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float,
-                       bf16*, int);
+                       int64_t, bf16*, int);
 }
 
 static void fused(const float* x, int64_t m, const float* w, const float* b, float* y, int64_t n, int64_t k, int t,
@@ -39,20 +39,21 @@ static void rope(bf16* x, const bf16* c, const bf16* s, int64_t t, int64_t h, in
 // q, k and v: slices of each row of qkv, `stride` apart
 static void attend(const float* qkv, int64_t stride, float* kc, float* vc, const int64_t* slots,
                    const int64_t* tables, int64_t width, const int64_t* lens, int64_t m, int64_t nh, int64_t nkv,
-                   int64_t hd, int64_t bs, float scale, float* out, int t) {
+                   int64_t hd, int64_t bs, float scale, int64_t window, float* out, int t) {
     paged_decode_f32(qkv, qkv + nh * hd, qkv + (nh + nkv) * hd, stride, stride, kc, vc, slots, tables, width, lens,
-                     m, nh, nkv, hd, bs, scale, out, t);
+                     m, nh, nkv, hd, bs, scale, window, out, t);
 }
 static void attend(const bf16* qkv, int64_t stride, bf16* kc, bf16* vc, const int64_t* slots,
                    const int64_t* tables, int64_t width, const int64_t* lens, int64_t m, int64_t nh, int64_t nkv,
-                   int64_t hd, int64_t bs, float scale, bf16* out, int t) {
+                   int64_t hd, int64_t bs, float scale, int64_t window, bf16* out, int t) {
     paged_decode_bf16(qkv, qkv + nh * hd, qkv + (nh + nkv) * hd, stride, stride, kc, vc, slots, tables, width, lens,
-                      m, nh, nkv, hd, bs, scale, out, t);
+                      m, nh, nkv, hd, bs, scale, window, out, t);
 }
 
-// One layer's weights, each of the model's dtype (qkv_b the QKV bias)
+// One layer's weights, each of the model's dtype (qkv_b the QKV bias, or null), and its sliding window (0: none)
 struct Weights {
     const void *qkv_w, *qkv_b, *o_w, *gate_up_w, *down_w, *input_norm, *post_norm;
+    int64_t window;
 };
 
 // The model's sizes and the caches' layout: layer l's K (V) cache starts l * cache_layer elements in
@@ -76,7 +77,7 @@ static void run(const Weights* layers, const Dims* d, T* x, int64_t m, const T* 
               (const T*)w.input_norm, d->eps, 0, (const T*)nullptr);
         rope(qkv.data(), cos, ssin, m, d->heads + d->kv_heads, qkv_n, hd);
         attend(qkv.data(), qkv_n, k_cache + l * d->cache_layer, v_cache + l * d->cache_layer, slots, tables, width,
-               lens, m, d->heads, d->kv_heads, hd, d->block_size, d->scale, att.data(), threads);
+               lens, m, d->heads, d->kv_heads, hd, d->block_size, d->scale, w.window, att.data(), threads);
         fused(att.data(), m, (const T*)w.o_w, (const T*)nullptr, mid.data(), d->hidden, q_n, threads,
               (const T*)nullptr, 0.f, 0, x);
         fused(mid.data(), m, (const T*)w.gate_up_w, (const T*)nullptr, gate_up.data(), 2 * d->intermediate,

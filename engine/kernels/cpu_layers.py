@@ -1,6 +1,6 @@
 """Every layer of a paged decode step in one ctypes call (cpu_layers.cpp), fp32 or bf16.
 
-The per-layer fused path (Layer.fused in models/qwen2.py) makes six C calls a layer, and the Python between them
+The per-layer fused path (Layer.fused in models/decoder.py) makes six C calls a layer, and the Python between them
 (module lookups, output tensors, the calls themselves) costs about 5 ms of a 0.5B step here. This makes one call
 for all of them; Layer.fused still serves dense KV, whose rows each have their own buffer.
 """
@@ -28,7 +28,8 @@ class Paged(NamedTuple):
 
 
 class Weights(ctypes.Structure):
-    _fields_ = [(name, _P) for name in ("qkv_w", "qkv_b", "o_w", "gate_up_w", "down_w", "input_norm", "post_norm")]
+    _fields_ = [*((name, _P) for name in ("qkv_w", "qkv_b", "o_w", "gate_up_w", "down_w", "input_norm",
+                                          "post_norm")), ("window", _I)]
 
 
 class Dims(ctypes.Structure):
@@ -38,19 +39,21 @@ class Dims(ctypes.Structure):
 
 
 class CpuLayers:
-    """`stack(x, rope, paged)`: x [m, hidden] through every layer of `layers` (Qwen2's Layer modules), KV written
-    and attended through `paged`; returns the result in x's storage. It holds the weights' addresses: the model
-    that owns them holds it (Qwen2.stack)."""
+    """`stack(x, rope, paged)`: x [m, hidden] through every layer of `layers` (the decoder's Layer modules, of a
+    family whose layer the kernels compute: Layer.plain), KV written and attended through `paged`; returns the
+    result in x's storage. It holds the weights' addresses: the model that owns them holds it (Decoder.stack)."""
     max_rows = MAX_ROWS
 
-    def __init__(self, lib: ctypes.CDLL, threads: int, layers, eps: float) -> None:
+    def __init__(self, lib: ctypes.CDLL, threads: int, layers, eps: float, windows: list[int] | None = None) -> None:
         self.fns = {d: cpu_build.bind(lib, f"decode_layers_{n}", [_P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I, _P,
                                                                    ctypes.c_int]) for d, n in DTYPES.items()}
         first = layers[0]
+        windows = windows or [0] * len(layers)
         self.weights = (Weights * len(layers))(*(Weights(
-            layer.qkv.weight.data_ptr(), layer.qkv.bias.data_ptr(), layer.o_proj.weight.data_ptr(),
-            layer.gate_up.weight.data_ptr(), layer.down.weight.data_ptr(), layer.input_norm.weight.data_ptr(),
-            layer.post_norm.weight.data_ptr()) for layer in layers))
+            layer.qkv.weight.data_ptr(), 0 if layer.qkv.bias is None else layer.qkv.bias.data_ptr(),
+            layer.o_proj.weight.data_ptr(), layer.gate_up.weight.data_ptr(), layer.down.weight.data_ptr(),
+            layer.input_norm.weight.data_ptr(), layer.post_norm.weight.data_ptr(), window)
+            for layer, window in zip(layers, windows)))
         self.dims = Dims(len(layers), first.o_proj.weight.shape[0], first.n_heads, first.n_kv, first.head_dim,
                          first.down.weight.shape[1], 0, 0, eps, 0.0)
         self.threads = threads
@@ -67,6 +70,6 @@ class CpuLayers:
         return x
 
 
-def load(threads: int, layers, eps: float) -> CpuLayers | None:
+def load(threads: int, layers, eps: float, windows: list[int] | None = None) -> CpuLayers | None:
     lib = cpu_build.library()
-    return None if lib is None else CpuLayers(lib, threads, layers, eps)
+    return None if lib is None else CpuLayers(lib, threads, layers, eps, windows)

@@ -17,7 +17,7 @@ static void rms_norm(const T* x, const T* w, float eps, T* out, int64_t m, int64
 }
 
 // In place, heads [0, heads) of each token of x [t, stride] (head h at h * hd): x * cos + roll(x, hd / 2) * ssin,
-// cos and ssin [t, hd] (ssin: sin with rotate_half's sign folded in, see Rope in models/qwen2.py). For bf16 rounded
+// cos and ssin [t, hd] (ssin: sin with rotate_half's sign folded in, see Rope in models/decoder.py). For bf16 rounded
 // as torch.addcmul(x * cos, ...) rounds: the product, then the sum.
 template <typename T>
 static void rope(T* x, const T* cos, const T* ssin, int64_t t, int64_t heads, int64_t stride, int64_t hd) {

@@ -12,11 +12,19 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
-    """q [T, nh, hd] at positions start..start+T-1 over k/v [start+T, n_kv, hd]; returns [T, nh, hd]."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
+                     window: int = 0) -> torch.Tensor:
+    """q [T, nh, hd] at positions start..start+T-1 over k/v [start+T, n_kv, hd]; returns [T, nh, hd]. With a
+    `window`, the query at p sees positions p - window + 1 .. p only."""
     t, ctx = q.shape[0], k.shape[0]
     mask, causal = None, False
-    if t > 1 and start == 0:
+    if window and ctx > window:
+        first = max(0, start + 1 - window)            # nothing before it is visible to any query here
+        k, v, start, ctx = k[first:], v[first:], start - first, ctx - first
+        pos = start + torch.arange(t, device=q.device)[:, None]
+        keys = torch.arange(ctx, device=q.device)[None, :]
+        mask = (keys <= pos) & (keys > pos - window)
+    elif t > 1 and start == 0:
         causal = True
     elif t > 1:
         mask = torch.arange(ctx, device=q.device)[None, :] <= (start + torch.arange(t, device=q.device))[:, None]
@@ -33,24 +41,31 @@ def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, length: int) -
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_table: torch.Tensor, start: int, scale: float) -> torch.Tensor:
-    """New tokens q [T, nh, hd] at positions start.. over the cached prefix plus themselves (causal)."""
+                            block_table: torch.Tensor, start: int, scale: float, window: int = 0) -> torch.Tensor:
+    """New tokens q [T, nh, hd] at positions start.. over the cached prefix plus themselves (causal, and within
+    `window` positions when one is given)."""
     ctx = start + q.shape[0]
     k = gather_blocks(k_cache, block_table, ctx)
     v = gather_blocks(v_cache, block_table, ctx)
-    return causal_attention(q, k, v, start, scale)
+    return causal_attention(q, k, v, start, scale, window)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float, max_len: int | None = None) -> torch.Tensor:
-    """One query token per sequence, q [B, nh, hd], over its block table [B, max_blocks]; returns [B, nh, hd]."""
+                           seq_lens: torch.Tensor, scale: float, max_len: int | None = None,
+                           window: int = 0) -> torch.Tensor:
+    """One query token per sequence, q [B, nh, hd], over its block table [B, max_blocks] (its last `window`
+    positions only, when given); returns [B, nh, hd]."""
     bs = k_cache.shape[1]
     max_len = int(seq_lens.max()) if max_len is None else max_len
     n = -(-max_len // bs)
     k = k_cache[block_tables[:, :n]].flatten(1, 2)[:, :max_len]        # [B, L, n_kv, hd]
     v = v_cache[block_tables[:, :n]].flatten(1, 2)[:, :max_len]
     # masked even for one row: `max_len` may be a bound above its length (a graph's fixed width)
-    mask = (torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None])[:, None, None, :]
+    pos = torch.arange(max_len, device=q.device)[None, :]
+    mask = pos < seq_lens[:, None]
+    if window:
+        mask = mask & (pos >= seq_lens[:, None] - window)
+    mask = mask[:, None, None, :]
     out = F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                          scale=scale, enable_gqa=q.shape[1] != k.shape[2])
     return out[:, :, 0]

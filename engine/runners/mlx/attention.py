@@ -6,20 +6,30 @@ import mlx.core as mx
 from engine.runners.base import Row, spans
 
 
-def _sdpa(q: mx.array, k: mx.array, v: mx.array, start: int, scale: float) -> mx.array:
-    """q [T, nh, hd] at positions start.. over k/v [start+T, nkv, hd] (causal); returns [T, nh, hd]."""
+def _sdpa(q: mx.array, k: mx.array, v: mx.array, start: int, scale: float, window: int = 0) -> mx.array:
+    """q [T, nh, hd] at positions start.. over k/v [start+T, nkv, hd] (causal; with a `window`, the query at p sees
+    p - window + 1 .. p only); returns [T, nh, hd]."""
     t, ctx = q.shape[0], k.shape[0]
+    if window and ctx > window:
+        first = max(0, start + 1 - window)            # nothing before it is visible to any query here
+        k, v, start, ctx = k[first:], v[first:], start - first, ctx - first
     mask = None
-    if t > 1:
-        keep = mx.arange(ctx)[None, :] <= (start + mx.arange(t))[:, None]
+    if t > 1 or (window and ctx > window):
+        pos = (start + mx.arange(t))[:, None]
+        keep = mx.arange(ctx)[None, :] <= pos
+        if window:
+            keep = keep & (mx.arange(ctx)[None, :] > pos - window)
         mask = mx.where(keep, 0.0, -mx.inf).astype(q.dtype)
     out = mx.fast.scaled_dot_product_attention(q.transpose(1, 0, 2)[None], k.transpose(1, 0, 2)[None],
                                                v.transpose(1, 0, 2)[None], scale=scale, mask=mask)
     return out[0].transpose(1, 0, 2)
 
 
-def paged(k_cache: list[mx.array], v_cache: list[mx.array], block_size: int, rows: list[Row], scale: float):
-    """k_cache[layer] is [num_blocks * block_size, nkv, hd]: a block is a run of block_size slots."""
+def paged(k_cache: list[mx.array], v_cache: list[mx.array], block_size: int, rows: list[Row], scale: float,
+          windows: list[int] | None = None):
+    """k_cache[layer] is [num_blocks * block_size, nkv, hd]: a block is a run of block_size slots; windows[layer]:
+    the positions that layer's queries see (0: all)."""
+    windows = windows or [0] * len(k_cache)
     slots = mx.array([s for r in rows for s in r.slots])
     reads = []
     for (o, n, start), r in zip(spans(rows), rows):
@@ -33,12 +43,14 @@ def paged(k_cache: list[mx.array], v_cache: list[mx.array], block_size: int, row
         kc, vc = k_cache[layer], v_cache[layer]
         kc[slots] = k                  # scatter of the new positions only
         vc[slots] = v
-        outs = [_sdpa(q[o:o + n], kc[index], vc[index], start, scale) for o, n, start, index in reads]
+        outs = [_sdpa(q[o:o + n], kc[index], vc[index], start, scale, windows[layer])
+                for o, n, start, index in reads]
         return outs[0] if len(outs) == 1 else mx.concatenate(outs)
     return attend
 
 
-def dense(buffers: dict[int, list[list[mx.array]]], rows: list[Row], scale: float):
+def dense(buffers: dict[int, list[list[mx.array]]], rows: list[Row], scale: float,
+          windows: list[int] | None = None):
     """buffers[buf][layer] is [k, v], each [capacity, nkv, hd]; attention reads the first start+n positions."""
     parts = [(o, n, start, buffers[r.buf]) for (o, n, start), r in zip(spans(rows), rows)]
 
@@ -48,6 +60,7 @@ def dense(buffers: dict[int, list[list[mx.array]]], rows: list[Row], scale: floa
             kv = buf[layer]
             kv[0][start:start + n] = k[o:o + n]
             kv[1][start:start + n] = v[o:o + n]
-            outs.append(_sdpa(q[o:o + n], kv[0][:start + n], kv[1][:start + n], start, scale))
+            outs.append(_sdpa(q[o:o + n], kv[0][:start + n], kv[1][:start + n], start, scale,
+                              windows[layer] if windows else 0))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs)
     return attend

@@ -9,7 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from engine.core.sampling import SamplingParams
-from engine.models.qwen2_mlx import load_mlx
+from engine.models.decoder_mlx import load_mlx
 from engine.runners.base import Geometry, PickedLogprobs, Row, Sampled, flatten, in_order, logprob_rows
 from engine.runners.mlx import attention as mlx_attention
 from engine.runners.mlx import logprobs
@@ -30,6 +30,7 @@ class MLXRunner:
         g = Geometry.of(cfg, self.dtype.size)
         self.vocab_size, self.max_model_len, self.eos_token_ids = g.vocab_size, g.max_model_len, g.eos_token_ids
         self.layers, self.kv_shape, self.bytes_per_token, self.scale = g.layers, g.kv_shape, g.bytes_per_token, g.scale
+        self.windows = g.windows
         self.streams: dict[int, mx.Stream] = {}      # MLX streams belong to the thread that made them
         self.paged = False                # init_paged: a block pool; else one dense buffer per sequence
         self.k_cache: list[mx.array] = []
@@ -151,9 +152,10 @@ class MLXRunner:
                     dst, src = zip(*chained)
                     ids_a[mx.array(dst)] = prev.tokens[mx.array(src)]
             if self.paged:
-                attn = mlx_attention.paged(self.k_cache, self.v_cache, self.block_size, rows, self.scale)
+                attn = mlx_attention.paged(self.k_cache, self.v_cache, self.block_size, rows, self.scale,
+                                           self.windows)
             else:
-                attn = mlx_attention.dense(self.dense, rows, self.scale)
+                attn = mlx_attention.dense(self.dense, rows, self.scale, self.windows)
             hidden = self.model.forward(ids_a, mx.array(positions), attn)
             self.tokens_computed += len(ids)
             picked = [i for i, r in enumerate(rows) if r.sample]

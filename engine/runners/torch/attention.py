@@ -11,8 +11,10 @@ from engine.runners.torch.host import upload
 
 
 def paged(ops: KernelOps, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: list[Row], scale: float,
-          device: torch.device):
-    """k_cache/v_cache [layers, num_blocks, block_size, n_kv, hd]; `ops` are the reference ops or the kernels."""
+          device: torch.device, windows: list[int] | None = None):
+    """k_cache/v_cache [layers, num_blocks, block_size, n_kv, hd]; `ops` are the reference ops or the kernels;
+    windows[layer]: the positions that layer's queries see (0: all; None: 0 for every layer)."""
+    windows = windows or [0] * k_cache.shape[0]
     CALLS[ops.name] += 1
     slots = upload([s for r in rows for s in r.slots], device)
     if all(r.length == 1 for r in rows):
@@ -24,13 +26,15 @@ def paged(ops: KernelOps, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: li
 
         if ops.decode_step is not None:
             def fused(layer: int, q, k, v):
-                return ops.decode_step(q, k, v, k_cache[layer], v_cache[layer], slots, tables, seq_lens, scale)
+                return ops.decode_step(q, k, v, k_cache[layer], v_cache[layer], slots, tables, seq_lens, scale,
+                                       windows[layer])
             fused.paged = Paged(k_cache, v_cache, slots, tables, seq_lens, scale)     # for cpu_layers: all layers
             return fused
 
         def decode(layer: int, q, k, v):
             ops.write_kv(k_cache[layer], v_cache[layer], slots, k, v)
-            return ops.paged_decode_attention(q, k_cache[layer], v_cache[layer], tables, seq_lens, scale, max_len)
+            return ops.paged_decode_attention(q, k_cache[layer], v_cache[layer], tables, seq_lens, scale, max_len,
+                                              windows[layer])
         return decode
 
     parts = spans(rows)
@@ -38,14 +42,16 @@ def paged(ops: KernelOps, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: li
 
     def prefill(layer: int, q, k, v):
         ops.write_kv(k_cache[layer], v_cache[layer], slots, k, v)
-        outs = [ops.paged_prefill_attention(q[o:o + n], k_cache[layer], v_cache[layer], table, start, scale)
+        outs = [ops.paged_prefill_attention(q[o:o + n], k_cache[layer], v_cache[layer], table, start, scale,
+                                            windows[layer])
                 for (o, n, start), table in zip(parts, tables)]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
     return prefill
 
 
-def dense(buffers: dict[int, torch.Tensor], rows: list[Row], scale: float):
+def dense(buffers: dict[int, torch.Tensor], rows: list[Row], scale: float, windows: list[int] | None = None):
     """Each buffer is [layers, 2, capacity, n_kv, hd]; attention reads a view of it, no copy."""
+    windows = windows or [0] * next(iter(buffers.values())).shape[0]
     parts = [(o, n, start, buffers[r.buf]) for (o, n, start), r in zip(spans(rows), rows)]
 
     def attend(layer: int, q, k, v):
@@ -54,7 +60,7 @@ def dense(buffers: dict[int, torch.Tensor], rows: list[Row], scale: float):
             buf[layer, 0, start:start + n] = k[o:o + n]
             buf[layer, 1, start:start + n] = v[o:o + n]
             outs.append(ref.causal_attention(q[o:o + n], buf[layer, 0, :start + n], buf[layer, 1, :start + n],
-                                             start, scale))
+                                             start, scale, windows[layer]))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
     return attend
 

@@ -11,14 +11,15 @@ import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 
 from engine.kernels.cpu_gemv import CpuGemv, GemvOp
-from engine.models.qwen2 import Qwen2
+from engine.models.decoder import Decoder
 from engine.runners.base import Row
 
 
 class CompiledDecode:
-    def __init__(self, model: Qwen2, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-                 gemv: CpuGemv | None = None) -> None:
+    def __init__(self, model: Decoder, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                 gemv: CpuGemv | None = None, windows: list[int] | None = None) -> None:
         self.model, self.k_cache, self.v_cache, self.scale = model, k_cache, v_cache, scale
+        self.windows = windows or [0] * k_cache.shape[0]
         if gemv is not None:
             model.use_gemv(GemvOp(gemv))                 # big weights: the graph calls the GEMV kernel
         if k_cache.device.type == "cpu":
@@ -49,7 +50,9 @@ class CompiledDecode:
         per_layer = blocks * bs
         ctx = tables.shape[1] * bs
         gqa = m.cfg.num_attention_heads != m.cfg.num_key_value_heads
-        visible = (torch.arange(ctx, device=ids.device)[None, :] < seq_lens[:, None])[:, None, None, :]
+        pos = torch.arange(ctx, device=ids.device)[None, :]
+        visible = (pos < seq_lens[:, None])[:, None, None, :]
+        masks = {w: visible & (pos >= seq_lens[:, None] - w)[:, None, None, :] for w in set(self.windows) if w}
         gather = (tables[:, :, None] * bs + torch.arange(bs, device=ids.device)).flatten(1)    # [B, ctx] slots
 
         def attend(layer: int, q, k, v):
@@ -59,7 +62,8 @@ class CompiledDecode:
             keys = k_flat[gather + base]                  # [B, ctx, n_kv, hd]
             values = v_flat[gather + base]
             out = F.scaled_dot_product_attention(q[:, :, None], keys.transpose(1, 2), values.transpose(1, 2),
-                                                 attn_mask=visible, scale=self.scale,
+                                                 attn_mask=masks.get(self.windows[layer], visible),
+                                                 scale=self.scale,
                                                  enable_gqa=gqa)
             return out[:, :, 0]
         return m.logits(m.forward(ids, positions, attend))

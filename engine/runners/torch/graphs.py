@@ -22,7 +22,7 @@ import time
 import torch
 
 from engine.kernels import CALLS, KernelOps
-from engine.models.qwen2 import Qwen2
+from engine.models.decoder import Decoder
 from engine.runners.base import Row
 from engine.runners.torch.host import upload
 
@@ -45,10 +45,11 @@ def plain(row: Row) -> bool:
 
 
 class GraphDecode:
-    def __init__(self, model: Qwen2, ops: KernelOps, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-                 max_batch: int, width: int, scratch: int, capture: bool) -> None:
+    def __init__(self, model: Decoder, ops: KernelOps, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                 max_batch: int, width: int, scratch: int, capture: bool, windows: list[int] | None = None) -> None:
         """`width`: block-table columns (a sequence's most blocks); `scratch`: a block no sequence holds."""
         self.model, self.ops, self.k_cache, self.v_cache, self.scale = model, ops, k_cache, v_cache, scale
+        self.windows = windows or [0] * k_cache.shape[0]
         self.sizes = buckets(max_batch)
         self.size, self.width = self.sizes[-1], width
         self.block_size = k_cache.shape[2]
@@ -106,7 +107,8 @@ class GraphDecode:
 
         def attend(layer: int, q, k, v):
             ops.write_kv(kc[layer], vc[layer], slots, k, v)
-            return ops.paged_decode_attention(q, kc[layer], vc[layer], tables, lens, scale, bound)
+            return ops.paged_decode_attention(q, kc[layer], vc[layer], tables, lens, scale, bound,
+                                              self.windows[layer])
         logits = self.model.logits(self.model(ids, positions, attend))
         return logits, logits.argmax(-1)
 

@@ -54,6 +54,7 @@ class TorchRunner:
         g = Geometry.of(cfg, self.dtype.itemsize)
         self.vocab_size, self.max_model_len, self.eos_token_ids = g.vocab_size, g.max_model_len, g.eos_token_ids
         self.layers, self.kv_shape, self.bytes_per_token, self.scale = g.layers, g.kv_shape, g.bytes_per_token, g.scale
+        self.windows = g.windows
         self.paged = False                # init_paged: a block pool; else one dense buffer per sequence
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -71,7 +72,8 @@ class TorchRunner:
             self.gemv = cpu_gemv.load(torch.get_num_threads())
             self.model.use_gemv(self.gemv)
             self.model.use_kernels(self.gemv, cpu_pointwise.load(),
-                                   cpu_layers.load(torch.get_num_threads(), self.model.layers, cfg.rms_norm_eps))
+                                   cpu_layers.load(torch.get_num_threads(), self.model.layers, cfg.rms_norm_eps,
+                                                   cfg.windows))
         fused = self.model.layers[0].kernels is not None
         if compile and fused:
             log.info("compile: decode runs the fused CPU kernels, which outrun the compiled graph; not compiling")
@@ -98,11 +100,12 @@ class TorchRunner:
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         if self.compile:
-            self.compiled = CompiledDecode(self.model, self.k_cache, self.v_cache, self.scale, self.gemv)
+            self.compiled = CompiledDecode(self.model, self.k_cache, self.v_cache, self.scale, self.gemv, self.windows)
         if self.use_graphs:
             width = min(num_blocks, -(-self.max_model_len // block_size))
             self.graphs = GraphDecode(self.model, self.ops, self.k_cache, self.v_cache, self.scale,
-                                      self.max_batch_size, width, num_blocks, self.device.type == "cuda")
+                                      self.max_batch_size, width, num_blocks, self.device.type == "cuda",
+                                      self.windows)
 
     def dense_alloc(self, capacity: int) -> int:
         buf, self.next_buf = self.next_buf, self.next_buf + 1
@@ -165,9 +168,9 @@ class TorchRunner:
             self.graph_step = Step(rows, logits, None, greedy)
             return self.graph_step
         if self.paged:
-            attn = torch_attention.paged(self.ops, self.k_cache, self.v_cache, rows, self.scale, dev)
+            attn = torch_attention.paged(self.ops, self.k_cache, self.v_cache, rows, self.scale, dev, self.windows)
         else:
-            attn = torch_attention.dense(self.dense, rows, self.scale)
+            attn = torch_attention.dense(self.dense, rows, self.scale, self.windows)
         hidden = self.model(ids_t, upload(positions, dev), attn)
         if decode:
             return Step(rows, self.model.logits(hidden), None)

@@ -1,0 +1,224 @@
+"""The decoder in torch, every family from one ModelConfig: RMSNorm (or Gemma's), fused QKV with optional biases and
+per-head q/k norms, RoPE per layer type, GQA, fused gate/up with SiLU or tanh-GELU, two or four norms a layer,
+tied or untied lm_head, an optional final logit softcap.
+
+Tokens of every row in a step are flattened into one [T] batch; attention is delegated to `attn`,
+a callable the runner builds per step that writes the new K/V into the cache and attends (sliding layers' windows
+are the runner's to apply: it has them from Geometry).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.config import ModelConfig, RopeSpec
+
+Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    pointwise = None                  # decode rows: one C call (kernels.cpu_pointwise); see Decoder.use_kernels
+
+    def __init__(self, dim: int, eps: float, gemma: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
+        self.eps, self.gemma = eps, gemma
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemma:                # as Gemma rounds it: normalise and scale by (1 + w) in fp32, then round
+            return (F.rms_norm(x.float(), x.shape[-1:], eps=self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+        if self.pointwise is not None and x.dim() == 2 and x.shape[0] <= self.pointwise.max_rows:
+            return self.pointwise.rms_norm(x, self.weight, self.eps)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # as Llama rounds it: normalise in fp32, round to the model dtype, then scale
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose calls of a few rows (decode) go to a GEMV kernel when the runner gives it one."""
+    gemv = None                       # Callable (x, weight, bias) -> y with a `max_rows`; see Decoder.use_gemv
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv is not None and x.shape[0] <= self.gemv.max_rows:
+            return self.gemv(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def inv_freq(spec: RopeSpec, head_dim: int) -> torch.Tensor:
+    """RoPE's inverse frequencies, scaled as the spec says (transformers' default, linear and llama3 rules)."""
+    inv = 1.0 / (spec.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if spec.kind == "linear":
+        return inv / spec.factor
+    if spec.kind == "llama3":
+        old, lo, hi = spec.original_max_position_embeddings, spec.low_freq_factor, spec.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / spec.factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        blended = (1 - smooth) * scaled / spec.factor + smooth * scaled
+        medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+        return torch.where(medium, blended, scaled)
+    return inv
+
+
+class Rope(nn.Module):
+    def __init__(self, head_dim: int, max_pos: int, spec: RopeSpec) -> None:
+        super().__init__()
+        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq(spec, head_dim))
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        half = head_dim // 2
+        self.register_buffer("signed_sin", torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], -1), persistent=False)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin at each token's position, [T, 1, hd]: once per step, shared by the layers of a type."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.signed_sin[positions].unsqueeze(1).to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """x * cos + rotate_half(x) * sin, where rotate_half(x) = [-x2, x1] = roll(x) with the sign moved into sin."""
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
+
+
+def ropes(cfg: ModelConfig) -> nn.ModuleDict:
+    """A Rope per layer type; types with the same spec share one (and its tables each step)."""
+    made: dict[RopeSpec, Rope] = {}
+    return nn.ModuleDict({kind: made.setdefault(spec, Rope(cfg.head_dim, cfg.max_position_embeddings, spec))
+                          for kind, spec in cfg.rope.items()})
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class Layer(nn.Module):
+    kernels = None                    # decode on a CPU: (CpuGemv, CpuPointwise); see Decoder.use_kernels
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        hd, eps, gemma = cfg.head_dim, cfg.rms_norm_eps, cfg.gemma_norms
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.qkv = Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * hd, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.n_heads * hd, cfg.hidden_size, bias=cfg.o_bias)
+        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.input_norm = RMSNorm(cfg.hidden_size, eps, gemma)
+        self.post_norm = RMSNorm(cfg.hidden_size, eps, gemma)            # before the MLP
+        self.q_norm = RMSNorm(hd, eps, gemma) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, eps, gemma) if cfg.qk_norm else None
+        self.attn_out_norm = RMSNorm(cfg.hidden_size, eps, gemma) if gemma else None   # Gemma's sandwich norms
+        self.mlp_out_norm = RMSNorm(cfg.hidden_size, eps, gemma) if gemma else None
+        self.act = ACTIVATIONS[cfg.activation]
+        # what the fused CPU kernels compute: Qwen2's and Llama's layer (q/k biases or none, SiLU, two norms)
+        self.plain = not (cfg.qk_norm or gemma or cfg.o_bias or cfg.mlp_bias or cfg.activation != "silu")
+
+    def forward(self, idx: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                attn: Attention) -> torch.Tensor:
+        # Submodules are called through .forward: nn.Module.__call__ (hooks) costs as much as a small decode op.
+        t, nh, nkv = x.shape[0], self.n_heads, self.n_kv
+        if self.kernels is not None and t <= self.kernels[0].max_rows:      # decode steps
+            return self.fused(idx, x, rope, attn)
+        qkv = self.qkv.forward(self.input_norm.forward(x)).view(t, nh + 2 * nkv, self.head_dim)
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm.forward(qkv[:, :nh]), self.k_norm.forward(qkv[:, nh:nh + nkv])], 1)
+            qk = Rope.apply(qk, *rope)
+        else:
+            qk = Rope.apply(qkv[:, :nh + nkv], *rope)           # q and k heads rotated together
+        q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]
+        out = self.o_proj.forward(attn(idx, q, k, v).reshape(t, -1))
+        if self.attn_out_norm is not None:
+            out = self.attn_out_norm.forward(out)
+        x = x + out
+        gate, up = self.gate_up.forward(self.post_norm.forward(x)).chunk(2, dim=-1)
+        out = self.down.forward(self.act(gate) * up)
+        if self.mlp_out_norm is not None:
+            out = self.mlp_out_norm.forward(out)
+        return x + out
+
+    def fused(self, idx: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+              attn: Attention) -> torch.Tensor:
+        """The same layer in six C calls, each norm, SwiGLU and residual folded into the projection beside it:
+        at decode sizes a torch op costs more in dispatch than in arithmetic."""
+        gemv, pointwise = self.kernels
+        t, nh, nkv = x.shape[0], self.n_heads, self.n_kv
+        qkv = gemv.fused(x, self.qkv.weight, self.qkv.bias, norm=self.input_norm).view(t, nh + 2 * nkv, -1)
+        pointwise.rope(qkv, *rope, heads=nh + nkv)
+        x = gemv.fused(attn(idx, qkv[:, :nh], qkv[:, nh:nh + nkv], qkv[:, nh + nkv:]).reshape(t, -1),
+                       self.o_proj.weight, residual=x)
+        gate_up = gemv.fused(x, self.gate_up.weight, norm=self.post_norm)
+        return gemv.fused(gate_up, self.down.weight, silu=True, residual=x)
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma_norms)
+        self.ropes = ropes(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head_gemv = None
+        self.stack = None                 # paged decode on a CPU: every layer in one C call (kernels.cpu_layers)
+
+    def embed_scale(self, dtype: torch.dtype) -> float | None:
+        """Gemma's sqrt(hidden_size), rounded to the model dtype first as transformers does."""
+        if not self.cfg.gemma_norms:
+            return None
+        return torch.tensor(self.cfg.hidden_size ** 0.5).to(dtype).item()
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's cos/sin tables, computed once per distinct Rope."""
+        done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        out = []
+        for kind in self.cfg.layer_types:
+            rope = self.ropes[kind]
+            if id(rope) not in done:
+                done[id(rope)] = rope.tables(positions, dtype)
+            out.append(done[id(rope)])
+        return out
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
+        x = F.embedding(ids, self.embed.weight)
+        scale = self.embed_scale(x.dtype)
+        if scale is not None:
+            x = x * scale
+        tables = self.rope_tables(positions, x.dtype)
+        paged = getattr(attn, "paged", None)          # set on paged decode steps with the CPU attention kernel
+        if self.stack is not None and paged is not None and x.shape[0] <= self.stack.max_rows:
+            return self.norm.forward(self.stack(x, tables[0], paged))
+        for i, layer in enumerate(self.layers):
+            x = layer.forward(i, x, tables[i], attn)
+        return self.norm.forward(x)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head_gemv is not None and hidden.shape[0] <= self.head_gemv.max_rows:
+            out = self.head_gemv(hidden, self.head_weight).float()
+        else:
+            out = F.linear(hidden, self.head_weight).float()
+        cap = self.cfg.final_logit_softcapping
+        return out if cap is None else torch.tanh(out / cap) * cap
+
+    def use_gemv(self, gemv) -> None:
+        """Route decode's projections and logits to `gemv` where `gemv.fits(weight)`; None: torch for all."""
+        for mod in self.modules():
+            if isinstance(mod, Linear):
+                mod.gemv = gemv if gemv is not None and gemv.fits(mod.weight) else None
+        self.head_gemv = gemv if gemv is not None and gemv.fits(self.head_weight) else None
+
+    def use_kernels(self, gemv, pointwise, stack=None) -> None:
+        """Decode's layers (fp32 or bf16) through the fused C calls and the final norm through `pointwise`
+        (kernels.cpu_gemv, kernels.cpu_pointwise) where the family's layer is the kernels' (Layer.plain); paged
+        decode's layers all in one call to `stack` (kernels.cpu_layers) where given. None: torch's ops."""
+        on = gemv is not None and pointwise is not None and all(layer.plain for layer in self.layers)
+        self.norm.pointwise = pointwise
+        self.stack = stack if on and len({id(r) for r in self.ropes.values()}) == 1 else None
+        for layer in self.layers:
+            layer.kernels = (gemv, pointwise) if on else None

