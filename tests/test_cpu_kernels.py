@@ -12,8 +12,9 @@ import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
 from engine.kernels import CALLS, cpu_attention, cpu_gemv, cpu_layers, cpu_pointwise, reference, select
+from engine.models.config import RopeSpec
+from engine.models.decoder import Linear, RMSNorm, Rope
 from engine.models.presets import make_model
-from engine.models.qwen2 import Linear, RMSNorm, Rope
 from tests.helpers import random_ids
 
 
@@ -63,7 +64,9 @@ def test_one_openmp_runtime_in_the_process(gemv):
                                                   (4, 4, 2, 64, 32, [1, 32, 33, 200]), (2, 4, 2, 128, 16, [9, 70]),
                                                   (2, 2, 1, 8, 4, [3, 13])])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_decode_attention_matches_the_reference(gemv, b, nh, n_kv, hd, bs, lens, dtype):
+@pytest.mark.parametrize("window", [0, 6, 33])
+def test_paged_decode_attention_matches_the_reference(gemv, b, nh, n_kv, hd, bs, lens, dtype, window):
+    """Full attention, and sliding windows (one inside a block, one across blocks; some rows shorter than both)."""
     g = torch.Generator().manual_seed(b)
     k_cache, v_cache = torch.randn(2, 24, bs, n_kv, hd, generator=g).to(dtype)
     width = -(-max(lens) // bs)
@@ -73,8 +76,9 @@ def test_paged_decode_attention_matches_the_reference(gemv, b, nh, n_kv, hd, bs,
     q, k, v = (torch.randn(*s, generator=g).to(dtype) for s in ((b, nh, hd), (b, n_kv, hd), (b, n_kv, hd)))
     want_k, want_v = k_cache.clone(), v_cache.clone()
     reference.write_kv(want_k, want_v, slots, k, v)
-    want = reference.paged_decode_attention(q.float(), want_k.float(), want_v.float(), tables, seq_lens, 0.3)
-    got = cpu_attention.load(threads=2)(q, k, v, k_cache, v_cache, slots, tables, seq_lens, 0.3)
+    want = reference.paged_decode_attention(q.float(), want_k.float(), want_v.float(), tables, seq_lens, 0.3,
+                                            window=window)
+    got = cpu_attention.load(threads=2)(q, k, v, k_cache, v_cache, slots, tables, seq_lens, 0.3, window)
     assert got.dtype == dtype
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else ULP
     torch.testing.assert_close(got.float(), want, **tol)   # bf16: attention in fp32, rounded once
@@ -113,7 +117,7 @@ def test_silu_mul_holds_at_the_exponent_clamp_and_past_it(gemv):
 @pytest.mark.parametrize("t,heads,rotated,hd", [(1, 18, 16, 64), (3, 4, 3, 128), (2, 9, 8, 12)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_rotates_the_given_heads_in_place_as_rope_apply(gemv, t, heads, rotated, hd, dtype):
-    rope = Rope(hd, 256, 1e6)
+    rope = Rope(hd, 256, RopeSpec(1e6))
     cos, signed_sin = rope.tables(torch.tensor([0, 77, 255][:t]), dtype)
     x = torch.randn(t, heads, hd).to(dtype)
     got = x.clone()
@@ -209,7 +213,7 @@ def test_all_layers_in_one_call_compute_what_the_per_layer_calls_do(gemv, small_
     slots = torch.tensor([int(tables[i, (n - 1) // 16]) * 16 + (n - 1) % 16 for i, n in enumerate(lens)])
     paged = Paged(k_cache, v_cache, slots, tables, torch.tensor(lens), cfg.head_dim ** -0.5)
     x = torch.randn(3, cfg.hidden_size, generator=g).to(dtype)
-    rope = model.rope.tables(torch.tensor(lens) - 1, dtype)
+    rope = model.ropes["full_attention"].tables(torch.tensor(lens) - 1, dtype)
     ops = select("cpu", "cpu", str(dtype).removeprefix("torch."))
     want_k, want_v = k_cache.clone(), v_cache.clone()
 

@@ -104,15 +104,16 @@ def test_engine_decodes_transformers_greedy_tokens(tmp_path_factory, storage):
 
 
 @pytest.mark.parametrize("arch,message", [
-    (["Phi3ForCausalLM"], "model: architecture 'Phi3ForCausalLM' is not supported (supported: Qwen2ForCausalLM)"),
-    (None, "model: model_type 'llama' is not supported"),
+    (["Phi3ForCausalLM"], "model: architecture 'Phi3ForCausalLM' is not supported (supported: Qwen2ForCausalLM, "
+                          "LlamaForCausalLM, MistralForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM)"),
+    (None, "model: model_type 'phi3' is not supported"),
 ])
 def test_unknown_architectures_are_refused_by_name_before_any_weight_is_read(tiny_dir, tmp_path, monkeypatch,
                                                                              arch, message):
     from engine import LLM
     config = json.loads((Path(tiny_dir) / "config.json").read_text())
     config.pop("architectures")
-    config["model_type"] = "llama"
+    config["model_type"] = "phi3"
     if arch:
         config["architectures"] = arch
     for f in ("tokenizer.json", "model.safetensors"):

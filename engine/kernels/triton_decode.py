@@ -18,7 +18,7 @@ PROGRAMS = 128      # aim for at least this many programs (about one per SM) bef
 
 
 @triton.jit
-def _partial(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, scale,
+def _partial(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, scale, window,
              stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_tb,
              stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
              splits, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -33,13 +33,15 @@ def _partial(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, scale,
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)              # a sliding layer's first position
     seq_blocks = tl.cdiv(seq_len, BLOCK_SIZE)
-    run = tl.cdiv(seq_blocks, splits)
-    first = split * run
+    lo_block = lo // BLOCK_SIZE
+    run = tl.cdiv(seq_blocks - lo_block, splits)
+    first = lo_block + split * run
     last = tl.minimum(first + run, seq_blocks)
     for j in range(first, last):
         block = tl.load(tables_ptr + b * stride_tb + j).to(tl.int64)
-        valid = j * BLOCK_SIZE + n < seq_len
+        valid = (j * BLOCK_SIZE + n < seq_len) & (j * BLOCK_SIZE + n >= lo)
         tile = valid[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + block * stride_kb + n[:, None] * stride_ks + kvh * stride_kh + d[None, :],
                     mask=tile, other=0.0).to(tl.float32)
@@ -81,11 +83,12 @@ def splits_for(batch: int, kv_heads: int, blocks: int) -> int:
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float, max_len: int | None = None,
+                           seq_lens: torch.Tensor, scale: float, max_len: int | None = None, window: int = 0,
                            split_blocks: int | None = None) -> torch.Tensor:
     """q [B, nh, hd]; caches [num_blocks, block_size, n_kv, hd]; block_tables [B, max_blocks]; seq_lens [B].
-    `max_len` (the largest seq_len, known on the host, or a bound of it) avoids a device sync; `split_blocks` sets
-    the split count to what cuts the longest sequence into runs of that many blocks."""
+    `max_len` (the largest seq_len, known on the host, or a bound of it) avoids a device sync; a `window` limits each
+    query to its sequence's last `window` positions; `split_blocks` sets the split count to what cuts the longest
+    sequence into runs of that many blocks."""
     b, nh, hd = q.shape
     _, bs, nkv, _ = k_cache.shape
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -98,7 +101,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = nh // nkv
     block_d = max(16, triton.next_power_of_2(hd))
     _partial[(b, nkv, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part, lse, scale,
+        q, k_cache, v_cache, block_tables, seq_lens, part, lse, scale, window,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), splits,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=hd, BLOCK_D=block_d,

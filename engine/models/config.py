@@ -19,6 +19,8 @@ FAMILIES: dict[str, dict] = {
     "Gemma3ForCausalLM": dict(qk_norm=True, gemma_norms=True),
 }
 SUPPORTED = tuple(FAMILIES)
+MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+               "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}     # a config.json without architectures
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 FULL, SLIDING = "full_attention", "sliding_attention"
 ROPE_KINDS = ("default", "linear", "llama3")
@@ -30,6 +32,8 @@ def check_architecture(data: dict) -> str:
     known = [n for n in names if n in FAMILIES]
     if known:
         return known[0]
+    if not names and data.get("model_type") in MODEL_TYPES:
+        return MODEL_TYPES[data["model_type"]]
     what = f"architecture {names[0]!r}" if names else f"model_type {data.get('model_type')!r}"
     raise ValueError(f"model: {what} is not supported (supported: {', '.join(SUPPORTED)})")
 
