@@ -1,7 +1,7 @@
 """Paged prefill attention in Triton: new tokens at positions start.. attend over the sequence's cached blocks plus
-themselves, causally (and within a sliding window when given), reading K/V straight from the block table (a prompt-cache hit's adopted prefix and a chunked
-prefill's earlier chunks alike). Grid (query tile, query head); online softmax in fp32.
-Same signature as engine.kernels.reference.paged_prefill_attention."""
+themselves, causally (and within a sliding window when given), reading K/V straight from the block table (a
+prompt-cache hit's adopted prefix and a chunked prefill's earlier chunks alike). Grid (query tile, query head);
+online softmax in fp32. Same signature as engine.kernels.reference.paged_prefill_attention."""
 from __future__ import annotations
 
 import torch

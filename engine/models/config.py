@@ -19,8 +19,9 @@ FAMILIES: dict[str, dict] = {
     "Gemma3ForCausalLM": dict(qk_norm=True, gemma_norms=True),
 }
 SUPPORTED = tuple(FAMILIES)
+# for a config.json without `architectures`
 MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-               "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}     # a config.json without architectures
+               "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 FULL, SLIDING = "full_attention", "sliding_attention"
 ROPE_KINDS = ("default", "linear", "llama3")
