@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -15,6 +16,10 @@ class Tokenizer:
         config_file = model_dir / "tokenizer_config.json"
         config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.exists() else {}
         self.chat_template: str | None = config.get("chat_template")
+        # what a template may print (Llama 3's starts with {{ bos_token }}), as transformers passes them
+        self.specials = {name: value.get("content") if isinstance(value, dict) else value
+                         for name in ("bos_token", "eos_token", "pad_token", "unk_token")
+                         if (value := config.get(name)) is not None}
         self.vocab_size = self.tok.get_vocab_size()
         self.texts: dict[int, str] = {}
 
@@ -45,8 +50,9 @@ class Tokenizer:
         def raise_exception(message: str) -> None:
             raise ValueError(f"messages: {message}")
         env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(messages=messages,
-                                                           add_generation_prompt=add_generation_prompt)
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        template = env.from_string(self.chat_template)
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.specials)
 
     def detokenizer(self, skip_special_tokens: bool = True) -> "Detokenizer":
         return Detokenizer(self, skip_special_tokens)

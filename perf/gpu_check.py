@@ -47,10 +47,11 @@ class Sizes:
     speed_attention: str          # the speed sections' engines (the dry run: torch's ops, not interpreted Triton)
 
 
-FULL = Sizes("cuda", "auto", ("tiny", "small"), 32, 40, "qwen2.5-0.5b", 64, "qwen2.5-0.5b", 256, 3, 471, 512,
+FULL = Sizes("cuda", "auto", ("tiny", "small", "tiny-gemma3", "tiny-mistral"), 32, 120, "qwen2.5-0.5b", 64,
+             "qwen2.5-0.5b", 256, 3, 471, 512,
              (512, 2048, 8192), (1, 4), 50, 0, "", "auto")
-DRY = Sizes("cpu", "triton", ("tiny",), 4, 40, "tiny", 6, "tiny", 4, 1, 80, 4, (64,), (1,), 1, 8,
-            "switch or buckets", "reference")
+DRY = Sizes("cpu", "triton", ("tiny", "tiny-gemma3"), 4, 70, "tiny", 6, "tiny", 4, 1, 80, 4, (64,), (1,), 1, 16,
+            "switch or buckets or sliding_window", "reference")
 
 
 def environment(s: Sizes) -> tuple[dict, list[dict]]:

@@ -26,8 +26,8 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 
 def hf_model(path: str, dtype: torch.dtype, device: str):
-    from transformers import Qwen2ForCausalLM
-    return Qwen2ForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
 def divergence(a: list[int], b: list[int]) -> int | None:

@@ -46,7 +46,7 @@ PRESETS: dict[str, dict] = {
                          max_position_embeddings=8192, tie_word_embeddings=True, torch_dtype="bfloat16"),
     "tiny-llama": dict(family="llama", vocab_size=128256, hidden_size=64, intermediate_size=128,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                       max_position_embeddings=4096, tie_word_embeddings=True),
+                       max_position_embeddings=16384, tie_word_embeddings=True),
     "tiny-qwen3": dict(family="qwen3", vocab_size=151936, hidden_size=64, intermediate_size=128,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                        max_position_embeddings=4096, tie_word_embeddings=True),
