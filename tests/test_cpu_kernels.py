@@ -31,6 +31,15 @@ def small_dir(tmp_path_factory) -> str:
     return str(make_model("small", tmp_path_factory.mktemp("small"), seed=0))
 
 
+@pytest.fixture(scope="module", params=["small", "tiny-gemma3", "tiny-qwen3", "tiny-llama"])
+def family_dir(request, tmp_path_factory, small_dir) -> str:
+    """Qwen2 (small), and the families whose layers differ from it: Gemma 3's norms, GeGLU, two RoPEs and sliding
+    windows; Qwen3's q/k norms; Llama's missing biases."""
+    if request.param == "small":
+        return small_dir
+    return str(make_model(request.param, tmp_path_factory.mktemp(request.param), seed=0))
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 11])
 @pytest.mark.parametrize("n,k", [(1152, 896), (37, 84), (6, 8), (1, 13), (4099, 64)])
 @pytest.mark.parametrize("bias", [True, False])
@@ -91,7 +100,7 @@ ULP = dict(rtol=2 ** -7, atol=1e-5)       # bf16: one unit in the last place
 def silu_mul(gemv, gate_up: torch.Tensor) -> torch.Tensor:
     """The fused GEMV's SwiGLU alone: against an identity weight, every output is one product plus zeros (exact)."""
     n = gate_up.shape[1] // 2
-    return gemv.fused(gate_up, torch.eye(n, dtype=gate_up.dtype), silu=True)
+    return gemv.fused(gate_up, torch.eye(n, dtype=gate_up.dtype), act="silu")
 
 
 @pytest.mark.parametrize("m,n", [(1, 896), (3, 84), (8, 13)])
@@ -140,7 +149,7 @@ def test_fused_gemv_folds_in_norm_swiglu_and_residual(gemv, m, dtype):
         torch.testing.assert_close(gemv.fused(x, w, b, norm=norm), F.linear(norm.forward(x), w, b), **tol)
         gu, down = (torch.randn(m, 2 * 200, generator=g) * 3).to(dtype), torch.randn(96, 200, generator=g).to(dtype)
         want = F.linear(F.silu(gu[:, :200]) * gu[:, 200:], down) + x
-        torch.testing.assert_close(gemv.fused(gu, down, silu=True, residual=x), want, **tol)
+        torch.testing.assert_close(gemv.fused(gu, down, act="silu", residual=x), want, **tol)
         torch.testing.assert_close(gemv.fused(x, w, residual=res), F.linear(x, w) + res, **tol)
 
 
@@ -162,7 +171,7 @@ def cpu_build_ok() -> bool:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("storage", ["paged", "dense"])
-def test_engine_routes_decode_to_the_kernels_and_generates_what_torch_does(gemv, small_dir, monkeypatch, dtype,
+def test_engine_routes_decode_to_the_kernels_and_generates_what_torch_does(gemv, family_dir, monkeypatch, dtype,
                                                                            storage):
     """Paged decode runs every layer in one cpu_layers call; dense, whose rows each have a buffer of their own, the
     six fused calls a layer (Layer.fused). Both decode what torch's ops decode."""
@@ -176,9 +185,10 @@ def test_engine_routes_decode_to_the_kernels_and_generates_what_torch_does(gemv,
                         or real_stack(self, x, *a))
     prompts = [random_ids(40, seed=1), random_ids(9, seed=2)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    fast = LLM(model=small_dir, dtype=dtype, max_batch_size=2, kv_storage=storage)
+    fast = LLM(model=family_dir, dtype=dtype, max_batch_size=2, kv_storage=storage)
     model = fast.engine.runner.model
-    assert all(mod.gemv is fast.engine.runner.gemv for mod in model.modules() if isinstance(mod, Linear))
+    assert all(mod.gemv is fast.engine.runner.gemv for mod in model.modules()
+               if isinstance(mod, Linear) and cpu_gemv.CpuGemv.fits(mod.weight))
     before = CALLS["cpu"]
     got = [o.token_ids for o in fast.generate(prompts, params)]
     assert fast.engine.runner.ops.name == "cpu" and model.stack is not None
@@ -190,40 +200,49 @@ def test_engine_routes_decode_to_the_kernels_and_generates_what_torch_does(gemv,
     else:
         assert len(fused) >= 23 * 4 * layers and not stacks                  # every projection of every step
     monkeypatch.setenv("PAGODA_CPU_KERNELS", "0")
-    plain = LLM(model=small_dir, dtype=dtype, max_batch_size=2, kv_storage=storage)
+    plain = LLM(model=family_dir, dtype=dtype, max_batch_size=2, kv_storage=storage)
     assert plain.engine.runner.gemv is None and plain.engine.runner.ops.name == "reference"
-    assert got == [o.token_ids for o in plain.generate(prompts, params)]
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    if dtype == "bfloat16" and "gemma" in family_dir:
+        # Gemma's GELU takes tanhf, not torch's vectorised tanh, and its norm's fp32 sum runs in another order: an
+        # ulp apart in fp32, now and then a bf16 rounding apart, so greedy paths part after a while (fp32 is exact)
+        assert [g[:8] for g in got] == [w[:8] for w in want]
+    else:
+        assert got == want
     assert fast.engine.pool is None or fast.engine.pool.num_used == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_all_layers_in_one_call_compute_what_the_per_layer_calls_do(gemv, small_dir, dtype):
+def test_all_layers_in_one_call_compute_what_the_per_layer_calls_do(gemv, family_dir, dtype):
     """cpu_layers against Layer.fused over the same caches, 3 rows at different lengths: the same kernels in the
     same order, so the same bits, and the same K/V written."""
     from engine.kernels.cpu_layers import Paged
     from engine.models.loader import load_model
-    model = load_model(small_dir, str(dtype).removeprefix("torch."))
+    model = load_model(family_dir, str(dtype).removeprefix("torch."))
     model.use_gemv(gemv)
-    model.use_kernels(gemv, cpu_pointwise.load(), cpu_layers.load(2, model.layers, model.cfg.rms_norm_eps))
-    cfg, g = model.cfg, torch.Generator().manual_seed(7)
+    cfg = model.cfg
+    model.use_kernels(gemv, cpu_pointwise.load(), cpu_layers.load(2, model.layers, cfg.rms_norm_eps, cfg.windows,
+                                                                  model.rope_index()))
+    g = torch.Generator().manual_seed(7)
     shape = (cfg.num_hidden_layers, 12, 16, cfg.num_key_value_heads, cfg.head_dim)
     k_cache, v_cache = (torch.randn(*shape, generator=g).to(dtype) for _ in range(2))
     lens = [5, 17, 40]
     tables = torch.tensor([[3, 0, 0], [7, 1, 0], [2, 9, 4]])
     slots = torch.tensor([int(tables[i, (n - 1) // 16]) * 16 + (n - 1) % 16 for i, n in enumerate(lens)])
-    paged = Paged(k_cache, v_cache, slots, tables, torch.tensor(lens), cfg.head_dim ** -0.5)
+    paged = Paged(k_cache, v_cache, slots, tables, torch.tensor(lens), cfg.attn_scale)
     x = torch.randn(3, cfg.hidden_size, generator=g).to(dtype)
-    rope = model.ropes["full_attention"].tables(torch.tensor(lens) - 1, dtype)
+    ropes = model.rope_tables(torch.tensor(lens) - 1, dtype)
     ops = select("cpu", "cpu", str(dtype).removeprefix("torch."))
     want_k, want_v = k_cache.clone(), v_cache.clone()
 
     def attn(layer, q, k, v):
-        return ops.decode_step(q, k, v, want_k[layer], want_v[layer], slots, tables, paged.seq_lens, paged.scale)
+        return ops.decode_step(q, k, v, want_k[layer], want_v[layer], slots, tables, paged.seq_lens, paged.scale,
+                               cfg.windows[layer])
     with torch.inference_mode():
         want = x.clone()
         for i, layer in enumerate(model.layers):
-            want = layer.fused(i, want, rope, attn)
-        got = model.stack(x.clone(), rope, paged)
+            want = layer.fused(i, want, ropes[i], attn)
+        got = model.stack(x.clone(), ropes, paged)
     assert torch.equal(got, want)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 

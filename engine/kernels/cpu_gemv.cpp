@@ -151,12 +151,14 @@ static void gemv(const float* x, int64_t m, const T* w, const T* bias, T* y, int
     for (int64_t r = blocks * step; r < n; r++) rows<T, 1>(x, m, w, bias, y, n, k, r);
 }
 
-// One row of a fused call's input in fp32: x itself, RMS-normalised by norm_w, or (silu) silu(gate) * up of
-// x = [gate | up], each op rounded as the model's torch path rounds for T (see cpu_math.h)
+// One row of a fused call's input in fp32: x itself, RMS-normalised by norm_w (Gemma's when mode has GEMMA_NORM),
+// or act(gate) * up of x = [gate | up] (mode SILU or GELU), each op rounded as the model's torch path rounds for T
+// (see cpu_math.h)
 template <typename T>
-static void input_row(const T* x, int64_t k, const T* norm_w, float eps, int silu, float* out) {
-    if (norm_w != nullptr) norm_row(x, norm_w, eps, out, k);
-    else if (silu) silu_row(x, x + k, out, k);
+static void input_row(const T* x, int64_t k, const T* norm_w, float eps, int mode, float* out) {
+    if (norm_w != nullptr) norm_row(x, norm_w, eps, out, k, mode & GEMMA_NORM);
+    else if (mode & SILU) silu_row(x, x + k, out, k);
+    else if (mode & GELU) gelu_row(x, x + k, out, k);
     else for (int64_t i = 0; i < k; i++) out[i] = widen(x[i]);
 }
 
@@ -169,17 +171,18 @@ static void to_lanes(const float* row, int64_t k, float* dst) {
 }
 
 // y = the GEMV of x's rows with a decode layer's neighbouring ops folded in, to save their dispatch: the input
-// made by input_row (x is [m, 2k] for silu), then residual [m, n] added (rounded as T rounds).
+// made by input_row (x is [m, 2k] when gated), then residual [m, n] added (rounded as T rounds).
 template <typename T>
 static void fused(const T* x, int64_t m, const T* w, const T* bias, T* y, int64_t n, int64_t k, int threads,
-                  const T* norm_w, float eps, int silu, const T* residual) {
+                  const T* norm_w, float eps, int mode, const T* residual) {
     thread_local std::vector<float> in, row;
-    const bool bf = sizeof(T) == 2, as_is = !bf && norm_w == nullptr && !silu;    // fp32 x is its own input
+    const bool gated = norm_w == nullptr && (mode & (SILU | GELU));
+    const bool bf = sizeof(T) == 2, as_is = !bf && norm_w == nullptr && !gated;    // fp32 x is its own input
     if (!as_is) {
         in.resize(m * k);
         row.resize(k);
         for (int64_t c = 0; c < m; c++) {
-            input_row(x + c * (silu ? 2 * k : k), k, norm_w, eps, silu, bf ? row.data() : in.data() + c * k);
+            input_row(x + c * (gated ? 2 * k : k), k, norm_w, eps, mode, bf ? row.data() : in.data() + c * k);
             if (bf) to_lanes(row.data(), k, in.data() + c * k);
         }
     }
@@ -198,11 +201,11 @@ void gemv_bf16(const bf16* x, int64_t m, const bf16* w, const bf16* bias, bf16* 
     fused(x, m, w, bias, y, n, k, threads, (const bf16*)nullptr, 0.f, 0, (const bf16*)nullptr);
 }
 void gemv_fused_f32(const float* x, int64_t m, const float* w, const float* bias, float* y, int64_t n, int64_t k,
-                    int threads, const float* norm_w, float eps, int silu, const float* residual) {
-    fused(x, m, w, bias, y, n, k, threads, norm_w, eps, silu, residual);
+                    int threads, const float* norm_w, float eps, int mode, const float* residual) {
+    fused(x, m, w, bias, y, n, k, threads, norm_w, eps, mode, residual);
 }
 void gemv_fused_bf16(const bf16* x, int64_t m, const bf16* w, const bf16* bias, bf16* y, int64_t n, int64_t k,
-                     int threads, const bf16* norm_w, float eps, int silu, const bf16* residual) {
-    fused(x, m, w, bias, y, n, k, threads, norm_w, eps, silu, residual);
+                     int threads, const bf16* norm_w, float eps, int mode, const bf16* residual) {
+    fused(x, m, w, bias, y, n, k, threads, norm_w, eps, mode, residual);
 }
 }

@@ -19,6 +19,8 @@ OP_MIN_BYTES = 2 << 20  # in a compiled graph: smaller weights stay on inductor'
 
 
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}       # the C functions' suffixes
+ACTS = {None: 0, "silu": 1, "gelu_pytorch_tanh": 2}           # a fused call's gated input (cpu_math.h's mode bits)
+GEMMA_NORM = 4
 
 
 class CpuGemv:
@@ -43,10 +45,10 @@ class CpuGemv:
         return y
 
     def fused(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, norm=None,
-              silu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """F.linear with a decode layer's neighbours in the same call: of norm(x) (an RMSNorm: its weight and eps),
-        or of silu(gate) * up where x = [gate | up] (silu); plus residual [m, n]. Any size of weight; fp32 or bf16
-        (rounded after each op as the model's torch path rounds)."""
+              act: str | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear with a decode layer's neighbours in the same call: of norm(x) (an RMSNorm: its weight, eps and
+        style), or of act(gate) * up where x = [gate | up] (act: silu or gelu_pytorch_tanh); plus residual [m, n].
+        Any size of weight; fp32 or bf16 (rounded after each op as the model's torch path rounds)."""
         x = x.contiguous()
         n, k = weight.shape
         y = torch.empty((x.shape[0], n), dtype=x.dtype)
@@ -54,7 +56,8 @@ class CpuGemv:
         self.fused_fns[weight.dtype](x.data_ptr(), x.shape[0], weight.data_ptr(),
                                      None if bias is None else bias.data_ptr(), y.data_ptr(), n, k, self.threads,
                                      None if norm is None else norm.weight.data_ptr(),
-                                     0.0 if norm is None else norm.eps, int(silu),
+                                     0.0 if norm is None else norm.eps,
+                                     ACTS[act] | (GEMMA_NORM if norm is not None and norm.gemma else 0),
                                      None if residual is None else residual.data_ptr())
         return y
 

@@ -1,6 +1,6 @@
-// Every layer of a paged decode step in one call, fp32 or bf16: per layer the six fused calls of Layer.fused in
-// models/decoder.py (RMSNorm + QKV, RoPE, KV write + attention, o_proj + residual, RMSNorm + gate/up, SwiGLU + down +
-// residual), with no Python between them. The kernels are the ones the per-call path uses (cpu_gemv, cpu_pointwise,
+// Every layer of a paged decode step in one call, fp32 or bf16: per layer the fused calls of Layer.fused in
+// models/decoder.py (RMSNorm + QKV, q/k norms, RoPE, KV write + attention, o_proj (+ its norm) + residual,
+// RMSNorm + gate/up, gated activation + down (+ its norm) + residual), with no Python between them. The kernels are the ones the per-call path uses (cpu_gemv, cpu_pointwise,
 // cpu_attention), so both paths compute the same thing.
 #include <stdint.h>
 #include <vector>
@@ -13,6 +13,10 @@ void gemv_fused_f32(const float*, int64_t, const float*, const float*, float*, i
 void gemv_fused_bf16(const bf16*, int64_t, const bf16*, const bf16*, bf16*, int64_t, int64_t, int, const bf16*, float,
                      int, const bf16*);
 void rope_f32(float*, const float*, const float*, int64_t, int64_t, int64_t, int64_t);
+void rms_norm_f32(const float*, const float*, float, float*, int64_t, int64_t, int, const float*);
+void rms_norm_bf16(const bf16*, const bf16*, float, bf16*, int64_t, int64_t, int, const bf16*);
+void norm_heads_f32(float*, const float*, float, int64_t, int64_t, int64_t, int64_t, int);
+void norm_heads_bf16(bf16*, const bf16*, float, int64_t, int64_t, int64_t, int64_t, int);
 void rope_bf16(bf16*, const bf16*, const bf16*, int64_t, int64_t, int64_t, int64_t);
 void paged_decode_f32(const float*, const float*, const float*, int64_t, int64_t, float*, float*, const int64_t*,
                       const int64_t*, int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float,
@@ -23,12 +27,24 @@ void paged_decode_bf16(const bf16*, const bf16*, const bf16*, int64_t, int64_t, 
 }
 
 static void fused(const float* x, int64_t m, const float* w, const float* b, float* y, int64_t n, int64_t k, int t,
-                  const float* norm, float eps, int silu, const float* res) {
-    gemv_fused_f32(x, m, w, b, y, n, k, t, norm, eps, silu, res);
+                  const float* norm, float eps, int mode, const float* res) {
+    gemv_fused_f32(x, m, w, b, y, n, k, t, norm, eps, mode, res);
 }
 static void fused(const bf16* x, int64_t m, const bf16* w, const bf16* b, bf16* y, int64_t n, int64_t k, int t,
-                  const bf16* norm, float eps, int silu, const bf16* res) {
-    gemv_fused_bf16(x, m, w, b, y, n, k, t, norm, eps, silu, res);
+                  const bf16* norm, float eps, int mode, const bf16* res) {
+    gemv_fused_bf16(x, m, w, b, y, n, k, t, norm, eps, mode, res);
+}
+static void norm(const float* x, const float* w, float eps, float* out, int64_t m, int64_t n, int g, const float* r) {
+    rms_norm_f32(x, w, eps, out, m, n, g, r);
+}
+static void norm(const bf16* x, const bf16* w, float eps, bf16* out, int64_t m, int64_t n, int g, const bf16* r) {
+    rms_norm_bf16(x, w, eps, out, m, n, g, r);
+}
+static void heads(float* x, const float* w, float eps, int64_t t, int64_t h, int64_t st, int64_t hd, int g) {
+    norm_heads_f32(x, w, eps, t, h, st, hd, g);
+}
+static void heads(bf16* x, const bf16* w, float eps, int64_t t, int64_t h, int64_t st, int64_t hd, int g) {
+    norm_heads_bf16(x, w, eps, t, h, st, hd, g);
 }
 static void rope(float* x, const float* c, const float* s, int64_t t, int64_t h, int64_t st, int64_t hd) {
     rope_f32(x, c, s, t, h, st, hd);
@@ -50,52 +66,73 @@ static void attend(const bf16* qkv, int64_t stride, bf16* kc, bf16* vc, const in
                       m, nh, nkv, hd, bs, scale, window, out, t);
 }
 
-// One layer's weights, each of the model's dtype (qkv_b the QKV bias, or null), and its sliding window (0: none)
+// One layer's weights, each of the model's dtype (biases and the family's optional norms null where it has none),
+// its sliding window (0: none) and which of the step's two RoPE tables it takes (Gemma 3: local or global)
 struct Weights {
-    const void *qkv_w, *qkv_b, *o_w, *gate_up_w, *down_w, *input_norm, *post_norm;
-    int64_t window;
+    const void *qkv_w, *qkv_b, *o_w, *o_b, *gate_up_w, *gate_up_b, *down_w, *down_b, *input_norm, *post_norm,
+        *q_norm, *k_norm, *attn_out_norm, *mlp_out_norm;
+    int64_t window, rope;
 };
 
-// The model's sizes and the caches' layout: layer l's K (V) cache starts l * cache_layer elements in
+// The model's sizes and the caches' layout: layer l's K (V) cache starts l * cache_layer elements in; mode: the
+// gated activation (SILU or GELU) and GEMMA_NORM (cpu_math.h)
 struct Dims {
-    int64_t layers, hidden, heads, kv_heads, head_dim, intermediate, block_size, cache_layer;
+    int64_t layers, hidden, heads, kv_heads, head_dim, intermediate, block_size, cache_layer, mode;
     float eps, scale;
 };
 
-// x [m, hidden] in and out; cos, ssin [m, head_dim]; slots [m], tables [m, width], lens [m] as for paged_decode
+// x [m, hidden] in and out; cos[i], ssin[i] [m, head_dim] (RoPE table i); slots [m], tables [m, width], lens [m] as
+// for paged_decode
 template <typename T>
-static void run(const Weights* layers, const Dims* d, T* x, int64_t m, const T* cos, const T* ssin, T* k_cache,
-                T* v_cache, const int64_t* slots, const int64_t* tables, int64_t width, const int64_t* lens,
-                int threads) {
+static void run(const Weights* layers, const Dims* d, T* x, int64_t m, const T* const* cos, const T* const* ssin,
+                T* k_cache, T* v_cache, const int64_t* slots, const int64_t* tables, int64_t width,
+                const int64_t* lens, int threads) {
     const int64_t hd = d->head_dim, q_n = d->heads * hd, kv_n = d->kv_heads * hd, qkv_n = q_n + 2 * kv_n;
-    thread_local std::vector<T> qkv, att, mid, gate_up;
-    qkv.resize(m * qkv_n), att.resize(m * q_n);
+    const int gemma = (d->mode & GEMMA_NORM) ? 1 : 0, act = (int)(d->mode & (SILU | GELU));
+    thread_local std::vector<T> qkv, att, mid, gate_up, out;
+    qkv.resize(m * qkv_n), att.resize(m * q_n), out.resize(m * d->hidden);
     mid.resize(m * d->hidden), gate_up.resize(m * 2 * d->intermediate);
     for (int64_t l = 0; l < d->layers; l++) {
         const Weights& w = layers[l];
         fused(x, m, (const T*)w.qkv_w, (const T*)w.qkv_b, qkv.data(), qkv_n, d->hidden, threads,
-              (const T*)w.input_norm, d->eps, 0, (const T*)nullptr);
-        rope(qkv.data(), cos, ssin, m, d->heads + d->kv_heads, qkv_n, hd);
+              (const T*)w.input_norm, d->eps, gemma * GEMMA_NORM, (const T*)nullptr);
+        if (w.q_norm != nullptr) {
+            heads(qkv.data(), (const T*)w.q_norm, d->eps, m, d->heads, qkv_n, hd, gemma);
+            heads(qkv.data() + q_n, (const T*)w.k_norm, d->eps, m, d->kv_heads, qkv_n, hd, gemma);
+        }
+        rope(qkv.data(), cos[w.rope], ssin[w.rope], m, d->heads + d->kv_heads, qkv_n, hd);
         attend(qkv.data(), qkv_n, k_cache + l * d->cache_layer, v_cache + l * d->cache_layer, slots, tables, width,
                lens, m, d->heads, d->kv_heads, hd, d->block_size, d->scale, w.window, att.data(), threads);
-        fused(att.data(), m, (const T*)w.o_w, (const T*)nullptr, mid.data(), d->hidden, q_n, threads,
-              (const T*)nullptr, 0.f, 0, x);
-        fused(mid.data(), m, (const T*)w.gate_up_w, (const T*)nullptr, gate_up.data(), 2 * d->intermediate,
-              d->hidden, threads, (const T*)w.post_norm, d->eps, 0, (const T*)nullptr);
-        fused(gate_up.data(), m, (const T*)w.down_w, (const T*)nullptr, x, d->hidden, d->intermediate, threads,
-              (const T*)nullptr, 0.f, 1, mid.data());
+        if (w.attn_out_norm == nullptr) {        // mid = x + o_proj(att)
+            fused(att.data(), m, (const T*)w.o_w, (const T*)w.o_b, mid.data(), d->hidden, q_n, threads,
+                  (const T*)nullptr, 0.f, 0, x);
+        } else {                                 // mid = x + norm(o_proj(att))
+            fused(att.data(), m, (const T*)w.o_w, (const T*)w.o_b, out.data(), d->hidden, q_n, threads,
+                  (const T*)nullptr, 0.f, 0, (const T*)nullptr);
+            norm(out.data(), (const T*)w.attn_out_norm, d->eps, mid.data(), m, d->hidden, gemma, x);
+        }
+        fused(mid.data(), m, (const T*)w.gate_up_w, (const T*)w.gate_up_b, gate_up.data(), 2 * d->intermediate,
+              d->hidden, threads, (const T*)w.post_norm, d->eps, gemma * GEMMA_NORM, (const T*)nullptr);
+        if (w.mlp_out_norm == nullptr) {         // x = mid + down(act(gate) * up)
+            fused(gate_up.data(), m, (const T*)w.down_w, (const T*)w.down_b, x, d->hidden, d->intermediate, threads,
+                  (const T*)nullptr, 0.f, act, mid.data());
+        } else {                                 // x = mid + norm(down(act(gate) * up))
+            fused(gate_up.data(), m, (const T*)w.down_w, (const T*)w.down_b, out.data(), d->hidden,
+                  d->intermediate, threads, (const T*)nullptr, 0.f, act, (const T*)nullptr);
+            norm(out.data(), (const T*)w.mlp_out_norm, d->eps, x, m, d->hidden, gemma, mid.data());
+        }
     }
 }
 
 extern "C" {
-void decode_layers_f32(const Weights* layers, const Dims* d, float* x, int64_t m, const float* cos, const float* ssin,
-                       float* k_cache, float* v_cache, const int64_t* slots, const int64_t* tables, int64_t width,
-                       const int64_t* lens, int threads) {
+void decode_layers_f32(const Weights* layers, const Dims* d, float* x, int64_t m, const float* const* cos,
+                       const float* const* ssin, float* k_cache, float* v_cache, const int64_t* slots,
+                       const int64_t* tables, int64_t width, const int64_t* lens, int threads) {
     run(layers, d, x, m, cos, ssin, k_cache, v_cache, slots, tables, width, lens, threads);
 }
-void decode_layers_bf16(const Weights* layers, const Dims* d, bf16* x, int64_t m, const bf16* cos, const bf16* ssin,
-                        bf16* k_cache, bf16* v_cache, const int64_t* slots, const int64_t* tables, int64_t width,
-                        const int64_t* lens, int threads) {
+void decode_layers_bf16(const Weights* layers, const Dims* d, bf16* x, int64_t m, const bf16* const* cos,
+                        const bf16* const* ssin, bf16* k_cache, bf16* v_cache, const int64_t* slots,
+                        const int64_t* tables, int64_t width, const int64_t* lens, int threads) {
     run(layers, d, x, m, cos, ssin, k_cache, v_cache, slots, tables, width, lens, threads);
 }
 }

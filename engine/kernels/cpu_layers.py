@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from engine.kernels import cpu_build
-from engine.kernels.cpu_gemv import DTYPES, MAX_ROWS
+from engine.kernels.cpu_gemv import ACTS, DTYPES, GEMMA_NORM, MAX_ROWS
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -27,49 +27,70 @@ class Paged(NamedTuple):
     scale: float
 
 
+POINTERS = ("qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b", "down_w", "down_b", "input_norm", "post_norm",
+            "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")
+
+
 class Weights(ctypes.Structure):
-    _fields_ = [*((name, _P) for name in ("qkv_w", "qkv_b", "o_w", "gate_up_w", "down_w", "input_norm",
-                                          "post_norm")), ("window", _I)]
+    _fields_ = [*((name, _P) for name in POINTERS), ("window", _I), ("rope", _I)]
 
 
 class Dims(ctypes.Structure):
     _fields_ = [*((name, _I) for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate",
-                                          "block_size", "cache_layer")), ("eps", ctypes.c_float),
+                                          "block_size", "cache_layer", "mode")), ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float)]
 
 
+def _ptr(t) -> int:
+    """A weight's address; 0 (null) where the family has no such weight."""
+    return 0 if t is None else t.data_ptr()
+
+
+def _weights(layer, window: int, rope: int) -> Weights:
+    norm = lambda m: None if m is None else m.weight            # noqa: E731
+    return Weights(_ptr(layer.qkv.weight), _ptr(layer.qkv.bias), _ptr(layer.o_proj.weight), _ptr(layer.o_proj.bias),
+                   _ptr(layer.gate_up.weight), _ptr(layer.gate_up.bias), _ptr(layer.down.weight),
+                   _ptr(layer.down.bias), _ptr(layer.input_norm.weight), _ptr(layer.post_norm.weight),
+                   _ptr(norm(layer.q_norm)), _ptr(norm(layer.k_norm)), _ptr(norm(layer.attn_out_norm)),
+                   _ptr(norm(layer.mlp_out_norm)), window, rope)
+
+
 class CpuLayers:
-    """`stack(x, rope, paged)`: x [m, hidden] through every layer of `layers` (the decoder's Layer modules, of a
-    family whose layer the kernels compute: Layer.plain), KV written and attended through `paged`; returns the
-    result in x's storage. It holds the weights' addresses: the model that owns them holds it (Decoder.stack)."""
+    """`stack(x, tables, paged)`: x [m, hidden] through every layer of `layers` (the decoder's Layer modules),
+    each with its RoPE tables (tables[i] of layer i: at most two distinct ones), KV written and attended through
+    `paged`; returns the result in x's storage. It holds the weights' addresses: the model that owns them holds it
+    (Decoder.stack)."""
     max_rows = MAX_ROWS
 
-    def __init__(self, lib: ctypes.CDLL, threads: int, layers, eps: float, windows: list[int] | None = None) -> None:
+    def __init__(self, lib: ctypes.CDLL, threads: int, layers, eps: float, windows: list[int] | None = None,
+                 ropes: list[int] | None = None) -> None:
+        """`windows`: each layer's sliding window (0: none); `ropes`: which RoPE (0 or 1) each layer takes."""
         self.fns = {d: cpu_build.bind(lib, f"decode_layers_{n}", [_P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I, _P,
                                                                    ctypes.c_int]) for d, n in DTYPES.items()}
         first = layers[0]
-        windows = windows or [0] * len(layers)
-        self.weights = (Weights * len(layers))(*(Weights(
-            layer.qkv.weight.data_ptr(), 0 if layer.qkv.bias is None else layer.qkv.bias.data_ptr(),
-            layer.o_proj.weight.data_ptr(), layer.gate_up.weight.data_ptr(), layer.down.weight.data_ptr(),
-            layer.input_norm.weight.data_ptr(), layer.post_norm.weight.data_ptr(), window)
-            for layer, window in zip(layers, windows)))
+        windows, ropes = windows or [0] * len(layers), ropes or [0] * len(layers)
+        self.second = ropes.index(1) if 1 in ropes else 0     # a layer whose tables are RoPE 1's
+        self.weights = (Weights * len(layers))(*(_weights(layer, w, r) for layer, w, r in zip(layers, windows, ropes)))
+        mode = ACTS[first.act_name] | (GEMMA_NORM if first.input_norm.gemma else 0)
         self.dims = Dims(len(layers), first.o_proj.weight.shape[0], first.n_heads, first.n_kv, first.head_dim,
-                         first.down.weight.shape[1], 0, 0, eps, 0.0)
+                         first.down.weight.shape[1], 0, 0, mode, eps, 0.0)
         self.threads = threads
 
-    def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], paged: Paged) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]], paged: Paged) -> torch.Tensor:
         x = x.contiguous()
-        cos, signed_sin = (t.contiguous() for t in rope)
+        pairs = [[t.contiguous() for t in tables[0]], [t.contiguous() for t in tables[self.second]]]
+        cos = (_P * 2)(*(p[0].data_ptr() for p in pairs))
+        signed_sin = (_P * 2)(*(p[1].data_ptr() for p in pairs))
         k_cache = paged.k_cache
         self.dims.block_size, self.dims.scale = k_cache.shape[2], paged.scale
         self.dims.cache_layer = k_cache[0].numel()
-        self.fns[x.dtype](self.weights, ctypes.byref(self.dims), x.data_ptr(), x.shape[0], cos.data_ptr(),
-                          signed_sin.data_ptr(), k_cache.data_ptr(), paged.v_cache.data_ptr(), paged.slots.data_ptr(),
+        self.fns[x.dtype](self.weights, ctypes.byref(self.dims), x.data_ptr(), x.shape[0], cos, signed_sin,
+                          k_cache.data_ptr(), paged.v_cache.data_ptr(), paged.slots.data_ptr(),
                           paged.tables.data_ptr(), paged.tables.shape[1], paged.seq_lens.data_ptr(), self.threads)
         return x
 
 
-def load(threads: int, layers, eps: float, windows: list[int] | None = None) -> CpuLayers | None:
+def load(threads: int, layers, eps: float, windows: list[int] | None = None,
+         ropes: list[int] | None = None) -> CpuLayers | None:
     lib = cpu_build.library()
-    return None if lib is None else CpuLayers(lib, threads, layers, eps, windows)
+    return None if lib is None else CpuLayers(lib, threads, layers, eps, windows, ropes)

@@ -70,10 +70,14 @@ static inline __m256 round8_as(__m256 v) {
     else return v;
 }
 
+// What a fused call folds into its input (`mode`, bits): the gated activation of x = [gate | up], and Gemma's norm
+enum { SILU = 1, GELU = 2, GEMMA_NORM = 4 };
+
 // One row of n: out[i] = x[i] / sqrt(mean(x^2) + eps) * w[i], in fp32. For bf16 rounded where the model's torch
-// path rounds: the normalised x, then its product with w (Hugging Face's Qwen2RMSNorm).
+// path rounds: the normalised x, then its product with w (Hugging Face's Qwen2RMSNorm). Gemma's (gemma): scaled by
+// 1 + w in fp32 and rounded once (Gemma3RMSNorm).
 template <typename T>
-static inline void norm_row(const T* x, const T* w, float eps, float* out, int64_t n) {
+static inline void norm_row(const T* x, const T* w, float eps, float* out, int64_t n, bool gemma = false) {
     __m256 acc = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -83,7 +87,23 @@ static inline void norm_row(const T* x, const T* w, float eps, float* out, int64
     float ss = hsum(acc);
     for (; i < n; i++) ss += widen(x[i]) * widen(x[i]);
     const float inv = 1.f / sqrtf(ss / n + eps);
+    if (gemma) {
+        for (i = 0; i < n; i++) out[i] = round_as<T>(widen(x[i]) * inv * (1.f + widen(w[i])));
+        return;
+    }
     for (i = 0; i < n; i++) out[i] = round_as<T>(widen(w[i]) * round_as<T>(widen(x[i]) * inv));
+}
+
+// One row of n: out[i] = gelu_tanh(g[i]) * u[i] (GeGLU, transformers' gelu_pytorch_tanh), in fp32; for bf16
+// rounded after the GELU and after the product, as torch rounds F.gelu(gate, approximate="tanh") * up
+template <typename T>
+static inline void gelu_row(const T* g, const T* u, float* out, int64_t n) {
+    const float c = 0.7978845608028654f;          // sqrt(2 / pi)
+    for (int64_t i = 0; i < n; i++) {
+        const float gi = widen(g[i]);
+        const float a = round_as<T>(0.5f * gi * (1.f + tanhf(c * (gi + 0.044715f * gi * gi * gi))));
+        out[i] = round_as<T>(a * widen(u[i]));
+    }
 }
 
 // One row of n: out[i] = silu(g[i]) * u[i], in fp32; for bf16 rounded after the silu and after the product, as

@@ -1,4 +1,5 @@
-// Decode's small ops on a CPU, each one C call where torch takes several dispatches: RMSNorm and RoPE, fp32 or bf16
+// Decode's small ops on a CPU, each one C call where torch takes several dispatches: RMSNorm (with a residual, and per
+// head), and RoPE, fp32 or bf16
 // (bf16 computed in fp32 and rounded where the model's torch path rounds). SwiGLU runs inside the GEMV (cpu_gemv).
 #include <immintrin.h>
 #include <stdint.h>
@@ -7,13 +8,25 @@
 
 #include "cpu_math.h"
 
+// out [m, n] = norm(x) (Gemma's when gemma), plus residual [m, n] where given (then rounded as T rounds the sum:
+// Gemma's sandwich norms); out may be x or residual.
 template <typename T>
-static void rms_norm(const T* x, const T* w, float eps, T* out, int64_t m, int64_t n) {
+static void rms_norm(const T* x, const T* w, float eps, T* out, int64_t m, int64_t n, int gemma, const T* residual) {
     std::vector<float> row(n);
     for (int64_t r = 0; r < m; r++) {
-        norm_row(x + r * n, w, eps, row.data(), n);
-        for (int64_t i = 0; i < n; i++) store(out + r * n + i, row[i]);
+        norm_row(x + r * n, w, eps, row.data(), n, gemma);
+        if (residual != nullptr)
+            for (int64_t i = 0; i < n; i++) store(out + r * n + i, widen(residual[r * n + i]) + row[i]);
+        else
+            for (int64_t i = 0; i < n; i++) store(out + r * n + i, row[i]);
     }
+}
+
+// In place, heads [0, heads) of each token of x [t, stride] (head h at h * hd): each head RMS-normalised by w [hd]
+// (Qwen3's and Gemma 3's q/k norms)
+template <typename T>
+static void norm_heads(T* x, const T* w, float eps, int64_t t, int64_t heads, int64_t stride, int64_t hd, int gemma) {
+    for (int64_t j = 0; j < t; j++) rms_norm(x + j * stride, w, eps, x + j * stride, heads, hd, gemma, (const T*)0);
 }
 
 // In place, heads [0, heads) of each token of x [t, stride] (head h at h * hd): x * cos + roll(x, hd / 2) * ssin,
@@ -36,11 +49,21 @@ static void rope(T* x, const T* cos, const T* ssin, int64_t t, int64_t heads, in
 }
 
 extern "C" {
-void rms_norm_f32(const float* x, const float* w, float eps, float* out, int64_t m, int64_t n) {
-    rms_norm(x, w, eps, out, m, n);
+void rms_norm_f32(const float* x, const float* w, float eps, float* out, int64_t m, int64_t n, int gemma,
+                  const float* residual) {
+    rms_norm(x, w, eps, out, m, n, gemma, residual);
 }
-void rms_norm_bf16(const bf16* x, const bf16* w, float eps, bf16* out, int64_t m, int64_t n) {
-    rms_norm(x, w, eps, out, m, n);
+void rms_norm_bf16(const bf16* x, const bf16* w, float eps, bf16* out, int64_t m, int64_t n, int gemma,
+                   const bf16* residual) {
+    rms_norm(x, w, eps, out, m, n, gemma, residual);
+}
+void norm_heads_f32(float* x, const float* w, float eps, int64_t t, int64_t heads, int64_t stride, int64_t hd,
+                    int gemma) {
+    norm_heads(x, w, eps, t, heads, stride, hd, gemma);
+}
+void norm_heads_bf16(bf16* x, const bf16* w, float eps, int64_t t, int64_t heads, int64_t stride, int64_t hd,
+                     int gemma) {
+    norm_heads(x, w, eps, t, heads, stride, hd, gemma);
 }
 void rope_f32(float* x, const float* cos, const float* ssin, int64_t t, int64_t heads, int64_t stride, int64_t hd) {
     rope(x, cos, ssin, t, heads, stride, hd);

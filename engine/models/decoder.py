@@ -29,10 +29,10 @@ class RMSNorm(nn.Module):
         self.eps, self.gemma = eps, gemma
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pointwise is not None and x.dim() == 2 and x.shape[0] <= self.pointwise.max_rows:
+            return self.pointwise.rms_norm(x, self.weight, self.eps, self.gemma)
         if self.gemma:                # as Gemma rounds it: normalise and scale by (1 + w) in fp32, then round
             return (F.rms_norm(x.float(), x.shape[-1:], eps=self.eps) * (1.0 + self.weight.float())).to(x.dtype)
-        if self.pointwise is not None and x.dim() == 2 and x.shape[0] <= self.pointwise.max_rows:
-            return self.pointwise.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # as Llama rounds it: normalise in fp32, round to the model dtype, then scale
@@ -111,9 +111,8 @@ class Layer(nn.Module):
         self.k_norm = RMSNorm(hd, eps, gemma) if cfg.qk_norm else None
         self.attn_out_norm = RMSNorm(cfg.hidden_size, eps, gemma) if gemma else None   # Gemma's sandwich norms
         self.mlp_out_norm = RMSNorm(cfg.hidden_size, eps, gemma) if gemma else None
+        self.act_name = cfg.activation
         self.act = ACTIVATIONS[cfg.activation]
-        # what the fused CPU kernels compute: Qwen2's and Llama's layer (q/k biases or none, SiLU, two norms)
-        self.plain = not (cfg.qk_norm or gemma or cfg.o_bias or cfg.mlp_bias or cfg.activation != "silu")
 
     def forward(self, idx: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 attn: Attention) -> torch.Tensor:
@@ -140,16 +139,29 @@ class Layer(nn.Module):
 
     def fused(self, idx: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
               attn: Attention) -> torch.Tensor:
-        """The same layer in six C calls, each norm, SwiGLU and residual folded into the projection beside it:
-        at decode sizes a torch op costs more in dispatch than in arithmetic."""
+        """The same layer in six C calls (eight or ten with q/k or sandwich norms), each norm, gated activation and
+        residual folded into the projection beside it: at decode sizes a torch op costs more in dispatch than in
+        arithmetic."""
         gemv, pointwise = self.kernels
         t, nh, nkv = x.shape[0], self.n_heads, self.n_kv
         qkv = gemv.fused(x, self.qkv.weight, self.qkv.bias, norm=self.input_norm).view(t, nh + 2 * nkv, -1)
+        if self.q_norm is not None:
+            pointwise.norm_heads(qkv, self.q_norm, 0, nh)
+            pointwise.norm_heads(qkv, self.k_norm, nh, nkv)
         pointwise.rope(qkv, *rope, heads=nh + nkv)
-        x = gemv.fused(attn(idx, qkv[:, :nh], qkv[:, nh:nh + nkv], qkv[:, nh + nkv:]).reshape(t, -1),
-                       self.o_proj.weight, residual=x)
-        gate_up = gemv.fused(x, self.gate_up.weight, norm=self.post_norm)
-        return gemv.fused(gate_up, self.down.weight, silu=True, residual=x)
+        att = attn(idx, qkv[:, :nh], qkv[:, nh:nh + nkv], qkv[:, nh + nkv:]).reshape(t, -1)
+        x = self.add(gemv, pointwise, x, self.attn_out_norm, att, self.o_proj)
+        gate_up = gemv.fused(x, self.gate_up.weight, self.gate_up.bias, norm=self.post_norm)
+        return self.add(gemv, pointwise, x, self.mlp_out_norm, gate_up, self.down, self.act_name)
+
+    @staticmethod
+    def add(gemv, pointwise, x: torch.Tensor, norm: RMSNorm | None, inp: torch.Tensor, proj: Linear,
+            act: str | None = None) -> torch.Tensor:
+        """x + proj(inp), or x + norm(proj(inp)) where the family normalises a block's output (Gemma)."""
+        if norm is None:
+            return gemv.fused(inp, proj.weight, proj.bias, act=act, residual=x)
+        out = gemv.fused(inp, proj.weight, proj.bias, act=act)
+        return pointwise.rms_norm(out, norm.weight, norm.eps, norm.gemma, residual=x)
 
 
 class Decoder(nn.Module):
@@ -181,6 +193,11 @@ class Decoder(nn.Module):
             out.append(done[id(rope)])
         return out
 
+    def rope_index(self) -> list[int]:
+        """Per layer, which distinct Rope it takes (0: the first layer's), as kernels.cpu_layers takes them."""
+        first = self.ropes[self.cfg.layer_types[0]]
+        return [0 if self.ropes[kind] is first else 1 for kind in self.cfg.layer_types]
+
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
         x = F.embedding(ids, self.embed.weight)
         scale = self.embed_scale(x.dtype)
@@ -189,7 +206,7 @@ class Decoder(nn.Module):
         tables = self.rope_tables(positions, x.dtype)
         paged = getattr(attn, "paged", None)          # set on paged decode steps with the CPU attention kernel
         if self.stack is not None and paged is not None and x.shape[0] <= self.stack.max_rows:
-            return self.norm.forward(self.stack(x, tables[0], paged))
+            return self.norm.forward(self.stack(x, tables, paged))
         for i, layer in enumerate(self.layers):
             x = layer.forward(i, x, tables[i], attn)
         return self.norm.forward(x)
@@ -215,10 +232,10 @@ class Decoder(nn.Module):
 
     def use_kernels(self, gemv, pointwise, stack=None) -> None:
         """Decode's layers (fp32 or bf16) through the fused C calls and the final norm through `pointwise`
-        (kernels.cpu_gemv, kernels.cpu_pointwise) where the family's layer is the kernels' (Layer.plain); paged
-        decode's layers all in one call to `stack` (kernels.cpu_layers) where given. None: torch's ops."""
-        on = gemv is not None and pointwise is not None and all(layer.plain for layer in self.layers)
+        (kernels.cpu_gemv, kernels.cpu_pointwise); paged decode's layers all in one call to `stack`
+        (kernels.cpu_layers) where given. None: torch's ops."""
+        on = gemv is not None and pointwise is not None
         self.norm.pointwise = pointwise
-        self.stack = stack if on and len({id(r) for r in self.ropes.values()}) == 1 else None
+        self.stack = stack if on else None
         for layer in self.layers:
             layer.kernels = (gemv, pointwise) if on else None
