@@ -50,6 +50,9 @@ class Grammars:
 
     def compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
         """Raises ValueError naming the field (e.g. `response_format` or `structured_outputs.regex`) and why."""
+        if not self.stop_ids:
+            raise ValueError("structured_outputs: this model names no end-of-sequence token (config, generation "
+                             "config or tokenizer) for a grammar to end with")
         try:
             match spec.kind:
                 case "json":

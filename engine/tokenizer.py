@@ -23,6 +23,12 @@ class Tokenizer:
         self.vocab_size = self.tok.get_vocab_size()
         self.texts: dict[int, str] = {}
 
+    def stop_ids(self, model_eos: list[int]) -> list[int]:
+        """The checkpoint's EOS ids and the tokenizer's eos_token, as vLLM stops on both."""
+        eos = self.specials.get("eos_token")
+        found = None if eos is None else self.tok.token_to_id(eos)
+        return list(model_eos) + ([found] if found is not None and found not in model_eos else [])
+
     def encode(self, text: str) -> list[int]:
         """The text's tokens alone (a chat template's output, which holds its own BOS; stop and bad words)."""
         return self.tok.encode(text, add_special_tokens=False).ids

@@ -15,6 +15,9 @@
 7. llama.cpp (llama-cpp-python, built here on first use: perf/llama_peer.py) on the same checkpoint converted by its
    own convert_hf_to_gguf.py, same threads: fp32 and bf16 decode after a 64-token prompt, and prefill of a
    512-token prompt (tokens / TTFT). Left out, with the reason, where it cannot be built.
+8. every other family at its real geometry (llama3.2-1b, qwen3-0.6b, gemma3-270m, smollm2-135m), bf16 decode: in
+   process vs transformers generate, and vs llama.cpp on its own conversion (a row left out, with the reason,
+   where llama.cpp cannot convert the preset).
 Rates are medians of repeats interleaved in ABBA order; a ratio is the median of the per-pair ratios, so drift
 between pairs on a shared machine cancels. Decode tok/s = (tokens - 1) / (t_last - t_first).
 """
@@ -36,7 +39,7 @@ from engine.core.engine import Engine
 from engine.core.sampling import SamplingParams
 from engine.models import hugepages
 from engine.models.presets import cached_model
-from perf import llama_peer
+from perf import bench_families, llama_peer
 from perf.bench_decode import transformers_rate
 from perf.common import ROOT, Pair, greedy_run, median_pair, paired, prompt_ids, table
 
@@ -212,6 +215,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                     "mlx-lm")]),
         ("llama.cpp", lambda: llama_cpp_rows("tiny-qwen" if args.quick else "qwen2.5-0.5b", t,
                                              16 if args.quick else 128, 2 if args.quick else 4)),
+        ("families", lambda: bench_families.rows(bench_families.QUICK if args.quick else bench_families.PRESETS, t,
+                                                 16 if args.quick else 128, 1 if args.quick else 3)),
     ]
     rows: list[dict] = []
     if set(args.only or []) - {name for name, _ in steps}:

@@ -117,3 +117,12 @@ def test_the_mlx_lm_peer_is_installed_where_mlx_is():
     import pytest
     pytest.importorskip("mlx.core")
     assert importlib.util.find_spec("mlx_lm") is not None
+
+
+def test_family_rows_pair_each_preset_with_transformers_and_say_why_llama_cpp_is_absent(monkeypatch, capsys):
+    from perf import bench_families
+    monkeypatch.setattr(bench_families.llama_peer, "build", lambda: (None, "no compiler here"))
+    rows = bench_families.rows(("tiny-gemma3",), 1, 6, 1)
+    assert [(r["section"], r["what"]) for r in rows] == [("families vs transformers", "tiny-gemma3 bf16")]
+    assert rows[0]["pagoda"] > 0 and rows[0]["peer"] > 0
+    assert "llama.cpp family rows left out: no compiler here" in capsys.readouterr().out

@@ -4,18 +4,19 @@ paged and dense), and greedy tokens across {paged, dense} x {lookahead, sync} x 
 from __future__ import annotations
 
 import itertools
+import json
 import shutil
 
 import numpy as np
 import pytest
 import torch
 
-from engine import LLM
+from engine import LLM, SamplingParams
 from engine.kernels import select
 from engine.models.loader import load_model
 from engine.runners.base import Row
 from engine.runners.torch import attention as torch_attention
-from tests.helpers import random_ids, workload_params, workload_prompts
+from tests.helpers import greedy, random_ids, workload_params, workload_prompts
 
 transformers = pytest.importorskip("transformers")
 
@@ -155,3 +156,55 @@ def test_greedy_tokens_match_transformers(family_dir, reference, runner, storage
         assert [o.token_ids for o in outs] == reference, attempt
         cached = [o.cached_tokens for o in outs]
         assert all(c > 0 for c in cached) if attempt == "hit" else cached == [0, 0, 0, 0]
+
+
+def test_logprobs_match_transformers(family_dir):
+    """Greedy logprobs (top 5) within 1e-4 of transformers' log-softmax, prompt longer than the window."""
+    prompt = random_ids(60, seed=3)
+    out = LLM(model=str(family_dir), dtype="float32").generate(prompt, greedy(10, logprobs=5))[0]
+    with torch.no_grad():
+        logits = hf(family_dir)(torch.tensor([prompt + out.token_ids])).logits[0]
+    ref = torch.log_softmax(logits, -1)[len(prompt) - 1:len(prompt) - 1 + len(out.token_ids)]
+    for position, row in zip(out.logprobs, ref):
+        top = row.topk(5)
+        assert list(position)[:5] == top.indices.tolist()
+        for t, lp in zip(top.indices.tolist(), top.values.tolist()):
+            assert position[t].logprob == pytest.approx(lp, abs=1e-4)
+
+
+def test_sampling_features_hold(family_dir):
+    """n > 1 with a seed, penalties and a grammar on every family: seeded samples repeat, penalties change what is
+    picked, the grammar's choices are the only outputs."""
+    llm = LLM(model=str(family_dir), dtype="float32")
+    prompt = random_ids(50, seed=9)
+    seeded = SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
+    first, again = (llm.generate(prompt, seeded)[0] for _ in range(2))
+    assert [o.token_ids for o in first.outputs] == [o.token_ids for o in again.outputs]
+    plain = llm.generate(prompt, greedy(24))[0].token_ids
+    penalized = llm.generate(prompt, greedy(24, repetition_penalty=5.0))[0].token_ids
+    if len(set(plain)) < len(plain):            # a repeat the penalty must have discouraged
+        assert penalized != plain
+    choices = ["yes", "no", "it depends"]
+    text = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0,
+                                               structured_outputs={"choice": choices}))[0].text
+    assert text in choices
+
+
+def test_the_tokenizer_eos_stops_as_the_config_eos_does(family_dir, tmp_path):
+    """vLLM stops on the tokenizer's eos_token besides the checkpoint's EOS ids; with neither, a grammar (which ends
+    on one) is refused by name instead of failing inside xgrammar."""
+    llm = LLM(model=str(family_dir), dtype="float32")
+    eos = llm.engine.tokenizer.tok.token_to_id("<|im_end|>")          # the copied tokenizer_config's eos_token
+    assert eos in llm.engine.output.eos_token_ids
+    bare = tmp_path / "bare"
+    shutil.copytree(family_dir, bare)
+    for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
+        path = bare / name
+        if path.exists():
+            data = json.loads(path.read_text())
+            for key in ("eos_token_id", "eos_token"):
+                data.pop(key, None)
+            path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="structured_outputs: this model names no end-of-sequence token"):
+        LLM(model=str(bare), dtype="float32").generate([5, 6, 7], SamplingParams(
+            max_tokens=4, structured_outputs={"choice": ["yes", "no"]}))

@@ -44,7 +44,7 @@ class Engine:
         self.max_model_len = min(config.max_model_len or runner.max_model_len, runner.max_model_len)
         self.metrics = Metrics(config.model_name)
         self.recorder = Recorder(self.metrics, config.prompt_cache)
-        self.output = Output(runner.eos_token_ids, self.max_model_len, self.tokenizer)
+        self.output = Output(self.tokenizer.stop_ids(runner.eos_token_ids), self.max_model_len, self.tokenizer)
         self.pool: BlockPool | None = None
         self.kv_events, self.publisher = self._publisher()
         self.kv: KVStorage = self._storage()

@@ -88,5 +88,6 @@ class Intake:
         """xgrammar over this checkpoint's vocabulary, made at the first structured-output request."""
         if self.grammars is None:
             from engine.grammar import Grammars
-            self.grammars = Grammars(self.tokenizer, self.runner.vocab_size, self.runner.eos_token_ids)
+            self.grammars = Grammars(self.tokenizer, self.runner.vocab_size,
+                                     self.tokenizer.stop_ids(self.runner.eos_token_ids))
         return self.grammars
