@@ -23,7 +23,7 @@ def pagoda_rate(model: str, dtype: str, prompt: list[int], n: int, **options) ->
 
 
 def transformers_rate(model: str, dtype: str, prompt: list[int], n: int) -> float:
-    from transformers import Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.generation.streamers import BaseStreamer
 
     class Clock(BaseStreamer):
@@ -36,7 +36,7 @@ def transformers_rate(model: str, dtype: str, prompt: list[int], n: int) -> floa
         def end(self) -> None:
             pass
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": "auto"}[dtype]
-    hf = Qwen2ForCausalLM.from_pretrained(model, dtype=torch_dtype).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).eval()
     clock = Clock()
     ids = torch.tensor([prompt])
     with torch.inference_mode():
