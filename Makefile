@@ -40,12 +40,14 @@ serve: setup
 	  --metrics-port $(METRICS_PORT) -- $(TRITON_ARGS)
 
 # Full length: 512-token prompts, 512 new tokens, 12 pairs of each source, concurrency 1,2,4; then the same on
-# qwen2.5-0.5b.
+# qwen2.5-0.5b, and on gemma3-270m (sliding-window layers: a hit's prompt is as long as their window).
 bench: setup
 	$(PY) -m perf.main_job --prompt-tokens 512 --max-tokens 512 --pairs 12 --settle 0 --deadline 0 \
 	  --concurrency 1,2,4 --perf-pairs 12 --out perf/results/full-small
 	$(PY) -m perf.main_job --preset qwen2.5-0.5b --dtype float32 --prompt-tokens 512 --max-tokens 512 \
 	  --pairs 12 --settle 0 --deadline 0 --concurrency 1,2,4 --perf-pairs 12 --out perf/results/full-qwen2.5-0.5b
+	$(PY) -m perf.main_job --preset gemma3-270m --dtype float32 --prompt-tokens 512 --max-tokens 512 \
+	  --pairs 12 --settle 0 --deadline 0 --concurrency 1,2,4 --perf-pairs 12 --out perf/results/full-gemma3-270m
 
 # Reliability soak (not part of `make test`, which runs a 30-second one): tritonserver with the default model,
 # 8 clients mixing hits, misses, cancels and bad inputs, and SOAK_KILLS (3) SIGKILLs of the engine process at random

@@ -23,7 +23,7 @@ def rows(presets: tuple[str, ...], threads: int, tokens: int, repeats: int) -> l
         try:
             decode, _ = llama_peer.compare(tree, cached_model(preset), "bfloat16", threads, tokens, repeats)
         except Exception as e:                  # a converter or loader refusal: the row is absent, said why
-            print(f"llama.cpp {preset} row left out: {type(e).__name__}: {str(e)[:300]}")
+            print(f"llama.cpp {preset} row left out: {type(e).__name__}: ...{str(e)[-400:]}")
             continue
         out.append(paired_row("families vs llama.cpp", f"{preset} bf16 decode", decode, "llama.cpp bf16"))
     return out

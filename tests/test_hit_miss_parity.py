@@ -8,6 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import LLM, SamplingParams
 from engine.kernels import cpu_attention, cpu_gemv, cpu_layers, cpu_pointwise
+from tests.conftest import made
 from tests.helpers import random_ids
 
 
@@ -29,6 +30,7 @@ class OpLog(TorchDispatchMode):
 
 KERNELS = [(cpu_gemv.CpuGemv, "__call__"), (cpu_gemv.CpuGemv, "fused"), (cpu_attention.CpuDecode, "__call__"),
            (cpu_pointwise.CpuPointwise, "rms_norm"), (cpu_pointwise.CpuPointwise, "rope"),
+           (cpu_pointwise.CpuPointwise, "norm_heads"),
            (cpu_layers.CpuLayers, "__call__")]
 
 
@@ -60,9 +62,15 @@ def decode_tick_ops(llm: LLM, prompt: list[int], at: int) -> tuple[list[tuple], 
     return log.ops, req.num_cached
 
 
+@pytest.fixture(scope="module", params=["tiny", "tiny-gemma3"])
+def family_dir(request, tmp_path_factory, tiny_dir) -> str:
+    """Qwen2, and Gemma 3: sliding layers (window 48, shorter than the prompts), two RoPEs, four norms a layer."""
+    return tiny_dir if request.param == "tiny" else made(tmp_path_factory, request.param)
+
+
 @pytest.mark.parametrize("storage,batch", [("paged", 4), ("dense", 1)])
-def test_decode_tick_is_identical_after_hit_and_miss(tiny_dir, storage, batch):
-    llm = LLM(model=tiny_dir, dtype="float32", kv_storage=storage, max_batch_size=batch)
+def test_decode_tick_is_identical_after_hit_and_miss(family_dir, storage, batch):
+    llm = LLM(model=family_dir, dtype="float32", kv_storage=storage, max_batch_size=batch)
     llm.generate(random_ids(100, seed=1), SamplingParams(max_tokens=4, temperature=0))       # warm-up
     miss = random_ids(100, seed=2)
     hit = miss[:77] + random_ids(23, seed=3)

