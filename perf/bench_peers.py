@@ -15,9 +15,7 @@
 7. llama.cpp (llama-cpp-python, built here on first use: perf/llama_peer.py) on the same checkpoint converted by its
    own convert_hf_to_gguf.py, same threads: fp32 and bf16 decode after a 64-token prompt, and prefill of a
    512-token prompt (tokens / TTFT). Left out, with the reason, where it cannot be built.
-8. every other family at its real geometry (llama3.2-1b, qwen3-0.6b, gemma3-270m, smollm2-135m), bf16 decode: in
-   process vs transformers generate, and vs llama.cpp on its own conversion (a row left out, with the reason,
-   where llama.cpp cannot convert the preset).
+8. every other family at its real geometry, bf16 decode, vs transformers and llama.cpp (perf/bench_families.py)
 Rates are medians of repeats interleaved in ABBA order; a ratio is the median of the per-pair ratios, so drift
 between pairs on a shared machine cancels. Decode tok/s = (tokens - 1) / (t_last - t_first).
 """

@@ -222,7 +222,7 @@ def test_all_layers_in_one_call_compute_what_the_per_layer_calls_do(gemv, family
     model.use_gemv(gemv)
     cfg = model.cfg
     model.use_kernels(gemv, cpu_pointwise.load(), cpu_layers.load(2, model.layers, cfg.rms_norm_eps, cfg.windows,
-                                                                  model.rope_index()))
+                                                                  model.rope_of))
     g = torch.Generator().manual_seed(7)
     shape = (cfg.num_hidden_layers, 12, 16, cfg.num_key_value_heads, cfg.head_dim)
     k_cache, v_cache = (torch.randn(*shape, generator=g).to(dtype) for _ in range(2))

@@ -104,10 +104,6 @@ class ModelConfig:
         """Per layer, how many positions a query sees (itself included); 0: all of them."""
         return [self.sliding_window if t == SLIDING else 0 for t in self.layer_types]
 
-    @property
-    def family(self) -> str:
-        return self.architecture.removesuffix("ForCausalLM")
-
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)

@@ -8,6 +8,7 @@ are the runner's to apply: it has them from Geometry).
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -91,6 +92,11 @@ def ropes(cfg: ModelConfig) -> nn.ModuleDict:
                           for kind, spec in cfg.rope.items()})
 
 
+@functools.cache
+def scaled_root(hidden: int, dtype: torch.dtype) -> float:
+    return torch.tensor(hidden ** 0.5).to(dtype).item()
+
+
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
@@ -172,31 +178,22 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma_norms)
         self.ropes = ropes(cfg)
+        # the layer types with distinct RoPEs, and each layer's index among them (what cpu_layers takes too)
+        specs = list(dict.fromkeys(cfg.rope[kind] for kind in cfg.layer_types))
+        self.rope_of = [specs.index(cfg.rope[kind]) for kind in cfg.layer_types]
+        self.rope_kinds = [cfg.layer_types[self.rope_of.index(i)] for i in range(len(specs))]
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.head_gemv = None
         self.stack = None                 # paged decode on a CPU: every layer in one C call (kernels.cpu_layers)
 
     def embed_scale(self, dtype: torch.dtype) -> float | None:
         """Gemma's sqrt(hidden_size), rounded to the model dtype first as transformers does."""
-        if not self.cfg.gemma_norms:
-            return None
-        return torch.tensor(self.cfg.hidden_size ** 0.5).to(dtype).item()
+        return scaled_root(self.cfg.hidden_size, dtype) if self.cfg.gemma_norms else None
 
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's cos/sin tables, computed once per distinct Rope."""
-        done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        out = []
-        for kind in self.cfg.layer_types:
-            rope = self.ropes[kind]
-            if id(rope) not in done:
-                done[id(rope)] = rope.tables(positions, dtype)
-            out.append(done[id(rope)])
-        return out
-
-    def rope_index(self) -> list[int]:
-        """Per layer, which distinct Rope it takes (0: the first layer's), as kernels.cpu_layers takes them."""
-        first = self.ropes[self.cfg.layer_types[0]]
-        return [0 if self.ropes[kind] is first else 1 for kind in self.cfg.layer_types]
+        made = [self.ropes[kind].tables(positions, dtype) for kind in self.rope_kinds]
+        return [made[i] for i in self.rope_of]
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
         x = F.embedding(ids, self.embed.weight)

@@ -67,15 +67,16 @@ class DecoderMLX:
                        for i in range(cfg.num_hidden_layers)]
         hd = cfg.head_dim
         self.qk_width = (cfg.num_attention_heads + cfg.num_key_value_heads) * hd
-        made: dict = {}               # layer types with the same RoPE share its tables
-        self.inv_freq = {kind: made.setdefault(spec, mx.array(inv_freq(spec, hd).numpy()))
-                         for kind, spec in cfg.rope.items()}
+        specs = list(dict.fromkeys(cfg.rope[kind] for kind in cfg.layer_types))   # layer types may share one
+        self.inv_freq = [mx.array(inv_freq(spec, hd).numpy()) for spec in specs]
+        self.rope_of = [specs.index(cfg.rope[kind]) for kind in cfg.layer_types]
         self.embed_scale = None
         if cfg.gemma_norms:           # sqrt(hidden_size) rounded to the model dtype, as transformers does
             self.embed_scale = mx.array(np.float32(cfg.hidden_size ** 0.5)).astype(self.dtype)
         # Materialize now: lazy loads would otherwise run later on the loading thread's stream.
-        mx.eval(self.head, [] if self.embed is None else self.embed, self.norm, list(self.inv_freq.values()),
-                [[getattr(layer, f) for f in Layer.__slots__] for layer in self.layers])
+        # each layer's weights as the tuple the compiled halves take (mx.compile takes arrays, not a dataclass)
+        self.arrays = [tuple(getattr(layer, f) for f in Layer.__slots__) for layer in self.layers]
+        mx.eval(self.head, [] if self.embed is None else self.embed, self.norm, self.inv_freq, self.arrays)
         self.attn_in_c, self.attn_out_c = mx.compile(self.attn_in), mx.compile(self.attn_out)
 
     def norm_weight(self, w: mx.array) -> mx.array:
@@ -112,11 +113,8 @@ class DecoderMLX:
     def rope_tables(self, positions: mx.array) -> list[tuple[mx.array, mx.array]]:
         """Each layer's cos and signed sin [T, 1, 2, hd/2] for the step's positions, made once per distinct RoPE.
         (mx.fast.rope has no CPU kernel: its fallback remade the tables for q and k of every layer.)"""
-        done: dict[int, tuple[mx.array, mx.array]] = {}
-        for freq in self.inv_freq.values():
-            if id(freq) not in done:
-                done[id(freq)] = self.rope_table(positions, freq)
-        return [done[id(self.inv_freq[kind])] for kind in self.cfg.layer_types]
+        made = [self.rope_table(positions, freq) for freq in self.inv_freq]
+        return [made[i] for i in self.rope_of]
 
     def rope_table(self, positions: mx.array, freq: mx.array) -> tuple[mx.array, mx.array]:
         angles = positions.astype(mx.float32)[:, None] * freq
@@ -179,8 +177,7 @@ class DecoderMLX:
         if self.embed_scale is not None:
             x = x * self.embed_scale
         tables = self.rope_tables(positions)
-        for i, L in enumerate(self.layers):
-            arrays = tuple(getattr(L, f) for f in Layer.__slots__)
+        for i, arrays in enumerate(self.arrays):
             q, k, v = attn_in(x, *tables[i], arrays)
             x = attn_out(x, attn(i, q, k, v), arrays)
         return self.rms(x, self.norm)

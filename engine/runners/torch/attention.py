@@ -51,7 +51,6 @@ def paged(ops: KernelOps, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: li
 
 def dense(buffers: dict[int, torch.Tensor], rows: list[Row], scale: float, windows: list[int] | None = None):
     """Each buffer is [layers, 2, capacity, n_kv, hd]; attention reads a view of it, no copy."""
-    windows = windows or [0] * next(iter(buffers.values())).shape[0]
     parts = [(o, n, start, buffers[r.buf]) for (o, n, start), r in zip(spans(rows), rows)]
 
     def attend(layer: int, q, k, v):
@@ -60,7 +59,7 @@ def dense(buffers: dict[int, torch.Tensor], rows: list[Row], scale: float, windo
             buf[layer, 0, start:start + n] = k[o:o + n]
             buf[layer, 1, start:start + n] = v[o:o + n]
             outs.append(ref.causal_attention(q[o:o + n], buf[layer, 0, :start + n], buf[layer, 1, :start + n],
-                                             start, scale, windows[layer]))
+                                             start, scale, windows[layer] if windows else 0))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
     return attend
 

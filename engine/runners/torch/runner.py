@@ -73,7 +73,7 @@ class TorchRunner:
             self.model.use_gemv(self.gemv)
             self.model.use_kernels(self.gemv, cpu_pointwise.load(),
                                    cpu_layers.load(torch.get_num_threads(), self.model.layers, cfg.rms_norm_eps,
-                                                   cfg.windows, self.model.rope_index()))
+                                                   cfg.windows, self.model.rope_of))
         fused = self.model.layers[0].kernels is not None
         if compile and fused:
             log.info("compile: decode runs the fused CPU kernels, which outrun the compiled graph; not compiling")
