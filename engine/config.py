@@ -41,6 +41,8 @@ class EngineConfig:
     gpu_memory_utilization: float = option(0.0, "CUDA: the share of device memory this engine may hold (weights, "
                                            "activations, KV); the KV pool takes what weights and activations "
                                            "leave. 0: kv_cache_bytes bounds the pool; no effect on a CPU")
+    disable_hybrid_kv_cache_manager: bool = option(False, "paged: one block table for every layer, so sliding-"
+                                                   "window layers keep KV they can no longer read (vLLM's flag)")
     prompt_cache: bool = option(True, "reuse the KV of earlier requests' prefixes")
     prompt_cache_bytes: int = option(512 << 20, "dense storage: bound of the store of finished buffers", low=0)
     lookahead: bool = option(True, "launch decode step n+1 before reading step n (PAGODA_FORCE_SYNC=1 overrides)")

@@ -3,7 +3,9 @@ small paged pool with a prompt cache. After every operation the bookkeeping must
 that name each block, free + used + cached = total, the free map agrees with the counts, every cached hash maps to
 a block that really holds those tokens (no stale mapping after a block is reused), and no shared block is ever
 written (PagedKV.slots checks every slot it hands out). Forks (parallel sampling) share a sequence's blocks and
-copy the shared tail on their first write."""
+copy the shared tail on their first write. The same runs on a layout with a sliding-window layer group
+(engine/kv/layout.py), whose blocks behind the window are let go: every block a group adopts holds KV of exactly
+the prompt's prefix, written for that group."""
 from __future__ import annotations
 
 from collections import Counter
@@ -15,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from engine.core.request import Request
 from engine.core.sampling import SamplingParams
 from engine.kv.block_pool import FREE, HELD, TAKEN, BlockPool
+from engine.kv.layout import Layout
 from engine.kv.paged import PagedKV
 from engine.kv.prefix_cache import PrefixCache
 
@@ -23,21 +26,30 @@ FAMILIES = [[1, 2, 3, 1, 2, 3, 1, 2], [2, 2, 2, 2, 3, 3, 3, 3], [1, 1, 1, 1, 1, 
 
 
 class PagedKVMachine(RuleBasedStateMachine):
+    layout = Layout.of([0, 0])
+    blocks = BLOCKS
+
     def __init__(self) -> None:
         super().__init__()
         self.cache = PrefixCache(BS)
-        self.pool = BlockPool(BLOCKS, BS, index=self.cache)
-        self.kv = PagedKV(self.pool, self.cache, self._copy)
+        self.pool = BlockPool(self.blocks, BS, index=self.cache)
+        self.kv = PagedKV(self.pool, self.cache, self._copy, self.layout)
         self.running: list[Request] = []
         self.truth: dict[int, dict[int, int]] = {}      # block -> {offset: token} actually written there
+        self.made: dict[int, dict[int, tuple]] = {}     # block -> {offset: (group, the ids up to there)}
         self.ids = 0
 
     def _copy(self, src: int, dst: int) -> None:
         self.truth[dst] = dict(self.truth.get(src, {}))
+        self.made[dst] = dict(self.made.get(src, {}))
 
     def _write(self, req: Request, start: int, end: int) -> None:
-        for slot, pos in zip(self.kv.slots(req, start, end), range(start, end)):
-            self.truth.setdefault(slot // BS, {})[slot % BS] = req.all_ids[pos]
+        for g in range(self.layout.groups):
+            slots = self.kv.slots(req, start, end) if g == 0 else self.kv.groups(req, start, end)[g - 1][0]
+            for slot, pos in zip(slots, range(start, end)):
+                if g == 0:
+                    self.truth.setdefault(slot // BS, {})[slot % BS] = req.all_ids[pos]
+                self.made.setdefault(slot // BS, {})[slot % BS] = (g, tuple(req.all_ids[:pos + 1]))
 
     @rule(family=st.integers(0, len(FAMILIES) - 1), cut=st.integers(1, 8), tail=st.lists(st.integers(1, 3),
           max_size=6), max_tokens=st.integers(1, 12))
@@ -50,9 +62,10 @@ class PagedKVMachine(RuleBasedStateMachine):
         if not self.kv.fits(req) or not self.kv.admit(req):
             return
         adopted = req.num_computed
-        for pos in range(adopted):                       # adopted blocks hold exactly this prompt's tokens
-            block = req.block_table[pos // BS]
-            assert self.truth[block][pos % BS] == req.all_ids[pos]
+        for g in range(self.layout.groups):             # adopted blocks hold exactly this prompt's prefix's KV
+            for pos in range(self.layout.first_needed(g, adopted), adopted):
+                block = req.tables[g][pos // BS]
+                assert self.made[block][pos % BS] == (g, tuple(req.all_ids[:pos + 1]))
         self._write(req, adopted, req.prefill_target)
         req.num_computed = req.num_allocated = req.prefill_target
         self.kv.commit(req)
@@ -100,16 +113,20 @@ class PagedKVMachine(RuleBasedStateMachine):
 
     @invariant()
     def bookkeeping(self):
-        pool = self.pool
-        named = Counter(b for r in self.running for b in r.block_table)
-        assert all(pool.ref[b] == named[b] for b in range(BLOCKS))
-        assert pool.num_free + pool.num_used + pool.num_cached == BLOCKS
+        pool, n = self.pool, self.blocks
+        named = Counter(b for r in self.running for t, lo in zip(r.tables, r.slid) for b in t[lo:])
+        assert all(pool.ref[b] == named[b] for b in range(n))
+        assert pool.num_free + pool.num_used + pool.num_cached == n
         assert pool.num_free == sum(1 for s in pool.map if s in (FREE, HELD))
-        for b in range(BLOCKS):
+        for b in range(n):
             if pool.map[b] != TAKEN:
-                assert pool.ref[b] == 0 and b not in pool.cached and b not in self.cache.content
+                assert pool.ref[b] == 0 and b not in pool.cached and b not in self.cache
             if b in pool.cached:
-                assert pool.ref[b] == 0 and b in self.cache.content
+                assert pool.ref[b] == 0 and b in self.cache
+        for r in self.running:                           # a sliding group holds its window and one block more
+            for g, w in enumerate(self.layout.windows):
+                if w:
+                    assert r.slid[g] >= self.layout.first_needed(g, r.num_computed) // BS - 1
 
     @invariant()
     def cache_maps_to_real_content(self):
@@ -120,5 +137,21 @@ class PagedKVMachine(RuleBasedStateMachine):
                 assert [self.truth[b][o] for o in range(BS)] == list(entry.tokens)
 
 
+    @invariant()
+    def attached_blocks_hold_their_groups_kv(self):
+        for (g, key), b in self.cache.attached.items():
+            entry = self.cache.content.get(key.block)
+            if entry is not None and entry.key == key:          # the registration it hangs on still stands
+                assert all(self.made[b][o][0] == g for o in range(BS))
+
+
+class HybridKVMachine(PagedKVMachine):
+    """One full layer and one with a window of 6 positions: two groups of one layer each."""
+    layout = Layout.of([0, 6])
+    blocks = 2 * BLOCKS
+
+
 PagedKVMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+HybridKVMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestPagedKV = PagedKVMachine.TestCase
+TestHybridKV = HybridKVMachine.TestCase

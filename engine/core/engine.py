@@ -19,6 +19,7 @@ from engine.core.scheduler import Scheduler
 from engine.kv.base import KVStorage
 from engine.kv.block_pool import BlockPool
 from engine.kv.dense import DenseKV
+from engine.kv.layout import Layout
 from engine.kv.paged import PagedKV, contiguity
 from engine.kv.prefix_cache import PrefixCache
 from engine.kv.sizing import pool_blocks
@@ -65,11 +66,12 @@ class Engine:
         config, runner = self.config, self.runner
         if not config.paged:
             return DenseKV(runner, runner.bytes_per_token, config.prompt_cache_bytes if config.prompt_cache else None)
-        num_blocks = config.num_kv_blocks or pool_blocks(config, runner, self.max_model_len)
-        runner.init_paged(num_blocks, config.block_size)
+        layout = Layout.of(runner.windows, not config.disable_hybrid_kv_cache_manager)
+        num_blocks = config.num_kv_blocks or pool_blocks(config, runner, self.max_model_len, layout)
+        runner.init_paged(num_blocks, config.block_size, layout)
         cache = PrefixCache(config.block_size, self.kv_events) if config.prompt_cache else None
         self.pool = BlockPool(num_blocks, config.block_size, config.contiguous_blocks, cache)
-        return PagedKV(self.pool, cache, runner.copy_block)
+        return PagedKV(self.pool, cache, runner.copy_block, layout)
 
     def _publisher(self):
         """KV events: the prompt cache's log, and the thread that sends it. A fresh engine first says its cache
@@ -159,7 +161,8 @@ class Engine:
             n_prompt = len(req.prompt_ids)
             asks = req.prompt_logprobs is not None and len(req.prompt_logprobs) < n_prompt and n_prompt > 1
             rows.append(Row(req.id, start, req.all_ids[start:end], slots=self.kv.slots(req, start, end),
-                            block_table=req.block_table, buf=req.buf, params=req.params, ban=self._ban(req),
+                            block_table=req.block_table, groups=self.kv.groups(req, start, end), buf=req.buf,
+                            params=req.params, ban=self._ban(req),
                             sample=end == req.prefill_target and not req.output_ids and req.group is None,
                             prompt=self._prompt(req), grammar=req.grammar, ban_later=self._ban_later(req),
                             prompt_logprobs=req.params.prompt_logprobs if asks else None,
@@ -230,8 +233,9 @@ class Engine:
         n_prompt = len(req.prompt_ids)
         tokens = [] if prev >= 0 else [req.prompt_ids[p] if p < n_prompt else req.output_ids[p - n_prompt]]
         return Row(req.id, p, tokens, prev=prev, slots=self.kv.slots(req, p, p + 1), block_table=req.block_table,
-                   buf=req.buf, params=req.params, ban=self._ban(req), fed_output=p >= n_prompt,
-                   prompt=self._prompt(req), grammar=req.grammar, ban_later=self._ban_later(req))
+                   groups=self.kv.groups(req, p, p + 1), buf=req.buf, params=req.params, ban=self._ban(req),
+                   fed_output=p >= n_prompt, prompt=self._prompt(req), grammar=req.grammar,
+                   ban_later=self._ban_later(req))
 
     @staticmethod
     def _prompt(req: Request) -> list[int] | None:

@@ -29,7 +29,8 @@ class Request:
     num_computed: int = 0
     num_allocated: int = 0
     num_cached: int = -1                  # tokens adopted from the prompt cache at first admission
-    block_table: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)     # paged: a block table per layer group
+    slid: list[int] = field(default_factory=list)       # per group: leading entries let go (behind its window)
     block_keys: list = field(default_factory=list)    # the prefix cache's registrations of its full blocks
     buf: int = -1                         # dense buffer id
     # text
@@ -62,6 +63,11 @@ class Request:
     def width(self) -> int:
         """Batch rows it takes once its pending forks join it."""
         return 1 + len(self.forks)
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first layer group's blocks (the only group, unless the model has sliding-window layers)."""
+        return self.tables[0] if self.tables else []
 
     @property
     def all_ids(self) -> list[int]:

@@ -67,22 +67,23 @@ static void attend(const bf16* qkv, int64_t stride, bf16* kc, bf16* vc, const in
 }
 
 // One layer's weights, each of the model's dtype (biases and the family's optional norms null where it has none),
-// its sliding window (0: none) and which of the step's two RoPE tables it takes (Gemma 3: local or global)
+// its sliding window (0: none), which of the step's two RoPE tables it takes (Gemma 3: local or global), its KV
+// layer group (engine/kv/layout.py: the slots and block tables it uses) and its page of a block (its K (V) cache
+// starts page * cache_layer elements in)
 struct Weights {
     const void *qkv_w, *qkv_b, *o_w, *o_b, *gate_up_w, *gate_up_b, *down_w, *down_b, *input_norm, *post_norm,
         *q_norm, *k_norm, *attn_out_norm, *mlp_out_norm;
-    int64_t window, rope;
+    int64_t window, rope, group, page;
 };
 
-// The model's sizes and the caches' layout: layer l's K (V) cache starts l * cache_layer elements in; mode: the
-// gated activation (SILU or GELU) and GEMMA_NORM (cpu_math.h)
+// The model's sizes and the caches' layout; mode: the gated activation (SILU or GELU) and GEMMA_NORM (cpu_math.h)
 struct Dims {
     int64_t layers, hidden, heads, kv_heads, head_dim, intermediate, block_size, cache_layer, mode;
     float eps, scale;
 };
 
-// x [m, hidden] in and out; cos[i], ssin[i] [m, head_dim] (RoPE table i); slots [m], tables [m, width], lens [m] as
-// for paged_decode
+// x [m, hidden] in and out; cos[i], ssin[i] [m, head_dim] (RoPE table i); slots [groups, m], tables
+// [groups, m, width] (group g's as for paged_decode), lens [m]
 template <typename T>
 static void run(const Weights* layers, const Dims* d, T* x, int64_t m, const T* const* cos, const T* const* ssin,
                 T* k_cache, T* v_cache, const int64_t* slots, const int64_t* tables, int64_t width,
@@ -101,8 +102,8 @@ static void run(const Weights* layers, const Dims* d, T* x, int64_t m, const T* 
             heads(qkv.data() + q_n, (const T*)w.k_norm, d->eps, m, d->kv_heads, qkv_n, hd, gemma);
         }
         rope(qkv.data(), cos[w.rope], ssin[w.rope], m, d->heads + d->kv_heads, qkv_n, hd);
-        attend(qkv.data(), qkv_n, k_cache + l * d->cache_layer, v_cache + l * d->cache_layer, slots, tables, width,
-               lens, m, d->heads, d->kv_heads, hd, d->block_size, d->scale, w.window, att.data(), threads);
+        attend(qkv.data(), qkv_n, k_cache + w.page * d->cache_layer, v_cache + w.page * d->cache_layer,
+               slots + w.group * m, tables + w.group * m * width, width, lens, m, d->heads, d->kv_heads, hd, d->block_size, d->scale, w.window, att.data(), threads);
         if (w.attn_out_norm == nullptr) {        // mid = x + o_proj(att)
             fused(att.data(), m, (const T*)w.o_w, (const T*)w.o_b, mid.data(), d->hidden, q_n, threads,
                   (const T*)nullptr, 0.f, 0, x);

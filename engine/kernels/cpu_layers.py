@@ -19,10 +19,10 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 class Paged(NamedTuple):
     """What a paged decode step's attention needs, as the runner gives it (runners/torch/attention.py)."""
-    k_cache: torch.Tensor             # [layers, num_blocks, block_size, n_kv, hd]
+    k_cache: torch.Tensor             # [pages, num_blocks, block_size, n_kv, hd]
     v_cache: torch.Tensor
-    slots: torch.Tensor               # [B] int64: where each row's new K/V goes
-    tables: torch.Tensor              # [B, width] int64 block ids
+    slots: torch.Tensor               # [groups, B] int64: where each row's new K/V goes, per layer group
+    tables: torch.Tensor              # [groups, B, width] int64 block ids
     seq_lens: torch.Tensor            # [B] int64, the new token included
     scale: float
 
@@ -32,7 +32,7 @@ POINTERS = ("qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b", "down_w", 
 
 
 class Weights(ctypes.Structure):
-    _fields_ = [*((name, _P) for name in POINTERS), ("window", _I), ("rope", _I)]
+    _fields_ = [*((name, _P) for name in POINTERS), ("window", _I), ("rope", _I), ("group", _I), ("page", _I)]
 
 
 class Dims(ctypes.Structure):
@@ -46,35 +46,42 @@ def _ptr(t) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _weights(layer, window: int, rope: int) -> Weights:
+def _weights(layer, window: int, rope: int, group: int, page: int) -> Weights:
     norm = lambda m: None if m is None else m.weight            # noqa: E731
     return Weights(_ptr(layer.qkv.weight), _ptr(layer.qkv.bias), _ptr(layer.o_proj.weight), _ptr(layer.o_proj.bias),
                    _ptr(layer.gate_up.weight), _ptr(layer.gate_up.bias), _ptr(layer.down.weight),
                    _ptr(layer.down.bias), _ptr(layer.input_norm.weight), _ptr(layer.post_norm.weight),
                    _ptr(norm(layer.q_norm)), _ptr(norm(layer.k_norm)), _ptr(norm(layer.attn_out_norm)),
-                   _ptr(norm(layer.mlp_out_norm)), window, rope)
+                   _ptr(norm(layer.mlp_out_norm)), window, rope, group, page)
 
 
 class CpuLayers:
     """`stack(x, tables, paged)`: x [m, hidden] through every layer of `layers` (the decoder's Layer modules),
     each with its RoPE tables (tables[i] of layer i: at most two distinct ones), KV written and attended through
-    `paged`; returns the result in x's storage. It holds the weights' addresses: the model that owns them holds it
-    (Decoder.stack)."""
+    `paged` (layer i's KV: page pages[i] of the blocks of group groups[i]); returns the result in x's storage. It
+    holds the weights' addresses: the model that owns them holds it (Decoder.stack)."""
     max_rows = MAX_ROWS
 
     def __init__(self, lib: ctypes.CDLL, threads: int, layers, eps: float, windows: list[int] | None = None,
                  ropes: list[int] | None = None) -> None:
-        """`windows`: each layer's sliding window (0: none); `ropes`: which RoPE (0 or 1) each layer takes."""
+        """`windows`: each layer's sliding window (0: none); `ropes`: which RoPE (0 or 1) each layer takes. The KV
+        layout is one group until `use_layout`."""
         self.fns = {d: cpu_build.bind(lib, f"decode_layers_{n}", [_P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I, _P,
                                                                    ctypes.c_int]) for d, n in DTYPES.items()}
         first = layers[0]
         windows, ropes = windows or [0] * len(layers), ropes or [0] * len(layers)
         self.second = ropes.index(1) if 1 in ropes else 0     # a layer whose tables are RoPE 1's
-        self.weights = (Weights * len(layers))(*(_weights(layer, w, r) for layer, w, r in zip(layers, windows, ropes)))
+        self.weights = (Weights * len(layers))(*(_weights(layer, w, r, 0, i)
+                                                 for i, (layer, w, r) in enumerate(zip(layers, windows, ropes))))
         mode = ACTS[first.act_name] | (GEMMA_NORM if first.input_norm.gemma else 0)
         self.dims = Dims(len(layers), first.o_proj.weight.shape[0], first.n_heads, first.n_kv, first.head_dim,
                          first.down.weight.shape[1], 0, 0, mode, eps, 0.0)
         self.threads = threads
+
+    def use_layout(self, groups: tuple[int, ...], pages: tuple[int, ...]) -> None:
+        """Each layer's KV group and page of a block (engine/kv/layout.py)."""
+        for w, g, p in zip(self.weights, groups, pages):
+            w.group, w.page = g, p
 
     def __call__(self, x: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]], paged: Paged) -> torch.Tensor:
         x = x.contiguous()
@@ -86,7 +93,7 @@ class CpuLayers:
         self.dims.cache_layer = k_cache[0].numel()
         self.fns[x.dtype](self.weights, ctypes.byref(self.dims), x.data_ptr(), x.shape[0], cos, signed_sin,
                           k_cache.data_ptr(), paged.v_cache.data_ptr(), paged.slots.data_ptr(),
-                          paged.tables.data_ptr(), paged.tables.shape[1], paged.seq_lens.data_ptr(), self.threads)
+                          paged.tables.data_ptr(), paged.tables.shape[-1], paged.seq_lens.data_ptr(), self.threads)
         return x
 
 

@@ -25,6 +25,10 @@ class KVStorage(Protocol):
     def slots(self, req: Request, start: int, end: int) -> list[int]:
         """Flat cache slots the runner writes positions [start, end) to (paged; dense addresses by buffer)."""
 
+    def groups(self, req: Request, start: int, end: int) -> list[tuple[list[int], list[int]]]:
+        """Paged, a model with sliding-window layers: (slots, block table) of each layer group past the first
+        (engine/kv/layout.py); else none."""
+
     def trim(self, req: Request, positions: int) -> None:
         """Give back the room past `positions` (an unwound speculative position)."""
 

@@ -57,6 +57,9 @@ class DenseKV:
     def slots(self, req: Request, start: int, end: int) -> list[int]:
         return []                       # the runner writes into the request's buffer by position
 
+    def groups(self, req: Request, start: int, end: int) -> list[tuple[list[int], list[int]]]:
+        return []
+
     def trim(self, req: Request, positions: int) -> None:
         pass                            # positions past num_computed are overwritten later
 

@@ -7,6 +7,10 @@ its parent are equal to what the prompt has there, so by induction its whole pre
 bucket to look in, and a collision costs a longer look, never another prompt's KV. Requests with different salts
 share nothing.
 
+A model with sliding-window layers keeps its other layer groups' blocks (engine/kv/layout.py) under the
+registrations of the first group's: `attach` files group g's block of the same positions under that Key. Keys are
+never reused, so a block attached to a registration that was evicted since is never found again.
+
 The block pool asks the index whether a freed block holds cached content (then it stays reusable) and tells it
 when it evicts one.
 """
@@ -55,9 +59,20 @@ class PrefixCache:
         self.index: dict[int, list[int]] = {}       # bucket -> blocks registered under it
         self.content: dict[int, Entry] = {}         # block -> what it holds
         self.serials = itertools.count()
+        self.attached: dict[tuple[int, Key], int] = {}       # (group, the first group's Key) -> block
+        self.attachment: dict[int, tuple[int, Key]] = {}
 
     def __contains__(self, block: int) -> bool:
-        return block in self.content
+        return block in self.content or block in self.attachment
+
+    def attach(self, group: int, key: Key, block: int) -> None:
+        """File group `group`'s block for the positions of registration `key` (unless one is filed already)."""
+        if (group, key) not in self.attached and block not in self.attachment:
+            self.attached[group, key] = block
+            self.attachment[block] = (group, key)
+
+    def find(self, group: int, key: Key) -> int | None:
+        return self.attached.get((group, key))
 
     def match(self, tokens: Sequence[int], salt: str | None = None) -> list[Key]:
         """The registrations of the longest cached chain of full blocks that prefixes `tokens`."""
@@ -113,6 +128,9 @@ class PrefixCache:
         return key
 
     def forget(self, block: int) -> None:
+        if block in self.attachment:
+            del self.attached[self.attachment.pop(block)]
+            return
         entry = self.content.pop(block)
         if self.events is not None and entry.digest is not None:
             self.holders[entry.digest] -= 1

@@ -4,16 +4,16 @@ from __future__ import annotations
 import logging
 
 from engine.config import EngineConfig
-from engine.kv.paged import cdiv
+from engine.kv.layout import Layout, cdiv
 from engine.runners.base import ModelRunner
 
 log = logging.getLogger("pagoda")
 
 
-def pool_blocks(config: EngineConfig, runner: ModelRunner, max_model_len: int) -> int:
+def pool_blocks(config: EngineConfig, runner: ModelRunner, max_model_len: int, layout: Layout) -> int:
     """With gpu_memory_utilization on a device that has a budget, as vLLM: all the share leaves. Else the fewer of
-    what kv_cache_bytes holds and four full-length sequences per batch row."""
-    per_block = runner.bytes_per_token * config.block_size
+    what kv_cache_bytes holds and four full-length sequences per batch row (a block: one group's layers)."""
+    per_block = runner.bytes_per_token * layout.width // len(layout.group) * config.block_size
     util = config.gpu_memory_utilization
     budget = runner.kv_budget(util, config.prefill_chunk) if util else None
     if budget is not None:
@@ -24,5 +24,7 @@ def pool_blocks(config: EngineConfig, runner: ModelRunner, max_model_len: int) -
     if util:
         log.info("pagoda: gpu_memory_utilization has no effect on this device; kv_cache_bytes bounds the KV pool")
     by_bytes = max(1, config.kv_cache_bytes // per_block)
-    by_need = 4 * config.max_batch_size * cdiv(max_model_len, config.block_size)
+    bs = config.block_size
+    by_need = max(4 * config.max_batch_size * layout.blocks(max_model_len, bs, config.prefill_chunk),
+                  layout.groups * (cdiv(max_model_len, bs) + 1))      # one prompt of the longest prefills
     return min(by_bytes, by_need)

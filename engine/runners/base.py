@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from engine.core.sampling import SamplingParams
+from engine.kv.layout import Layout
 from engine.models.config import ModelConfig
 
 
@@ -17,6 +18,8 @@ class Row:
     prev: int = -1                # index of this row's input in the previous step's sampled tokens
     slots: list[int] = field(default_factory=list)        # paged: flat cache slots of the new positions
     block_table: list[int] = field(default_factory=list)  # paged: the sequence's blocks
+    groups: list[tuple[list[int], list[int]]] = field(default_factory=list)   # paged: (slots, block_table) of
+    # each layer group past the first, for a model with sliding-window layers (engine/kv/layout.py)
     buf: int = -1                 # dense: the sequence's buffer
     sample: bool = True
     params: SamplingParams | None = None
@@ -36,6 +39,10 @@ class Row:
     @property
     def length(self) -> int:
         return len(self.tokens) or 1
+
+    def kv(self, group: int) -> tuple[list[int], list[int]]:
+        """(slots, block table) of a layer group."""
+        return (self.slots, self.block_table) if group == 0 else self.groups[group - 1]
 
 
 @dataclass(slots=True)
@@ -86,9 +93,11 @@ class ModelRunner(Protocol):
     max_model_len: int
     eos_token_ids: list[int]
     bytes_per_token: int          # KV bytes of one position, all layers
+    windows: list[int]            # per layer: its sliding window (0: none)
     tokens_computed: int          # positions run through the model, prefill and decode
 
-    def init_paged(self, num_blocks: int, block_size: int) -> None: ...
+    def init_paged(self, num_blocks: int, block_size: int, layout: Layout | None = None) -> None:
+        """A pool of num_blocks blocks, each `layout.width` layers' pages (None: one group of every layer)."""
     def kv_budget(self, utilization: float, prefill_tokens: int) -> int | None:
         """Bytes the KV pool may take when the engine holds `utilization` of the device's memory: what the loaded
         weights and a prefill step of `prefill_tokens` leave. None where memory is not the device's own (a CPU)."""
@@ -109,7 +118,7 @@ class ModelRunner(Protocol):
     def dense_copy(self, src: int, dst: int, positions: int) -> None:
         """Copy a dense buffer's first `positions` positions into another (a forked sequence's own KV)."""
     def copy_block(self, src: int, dst: int) -> None:
-        """Copy one KV block, all layers (copy-on-write of a forked sequence's shared tail)."""
+        """Copy one KV block, every page (copy-on-write of a forked sequence's shared tail)."""
 
 
 @dataclass(slots=True)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from engine.kv.layout import Layout
 from engine.runners.base import Row, spans
 
 
@@ -26,25 +27,30 @@ def _sdpa(q: mx.array, k: mx.array, v: mx.array, start: int, scale: float, windo
 
 
 def paged(k_cache: list[mx.array], v_cache: list[mx.array], block_size: int, rows: list[Row], scale: float,
-          windows: list[int] | None = None):
-    """k_cache[layer] is [num_blocks * block_size, nkv, hd]: a block is a run of block_size slots; windows[layer]:
-    the positions that layer's queries see (0: all)."""
-    windows = windows or [0] * len(k_cache)
-    slots = mx.array([s for r in rows for s in r.slots])
-    reads = []
+          windows: list[int] | None = None, layout: Layout | None = None):
+    """k_cache[page] is [num_blocks * block_size, nkv, hd]: a block is a run of block_size slots; windows[layer]:
+    the positions that layer's queries see (0: all); `layout`: which group's slots and tables and which page each
+    layer uses (None: one group, page = layer)."""
+    layout = layout or Layout.of([0] * len(k_cache))
+    windows = windows or [0] * len(layout.group)
+    slots = [mx.array([s for r in rows for s in r.kv(g)[0]]) for g in range(layout.groups)]
+    reads = [[] for _ in range(layout.groups)]
     for (o, n, start), r in zip(spans(rows), rows):
         ctx = start + n
-        table = mx.array(r.block_table[:-(-ctx // block_size)])
-        # the slots of positions [0, ctx): one gather per layer reads this row's context
-        index = (table[:, None] * block_size + mx.arange(block_size)[None, :]).reshape(-1)[:ctx]
-        reads.append((o, n, start, index))
+        for g, found in enumerate(reads):
+            lo = layout.first_needed(g, start)        # a sliding group's first position any of these queries sees
+            table = mx.array(r.kv(g)[1][lo // block_size:-(-ctx // block_size)])
+            # the slots of positions [lo, ctx): one gather per layer reads this row's context
+            index = (table[:, None] * block_size + mx.arange(block_size)[None, :]).reshape(-1)
+            found.append((o, n, start - lo, index[lo % block_size:lo % block_size + ctx - lo]))
 
     def attend(layer: int, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
-        kc, vc = k_cache[layer], v_cache[layer]
-        kc[slots] = k                  # scatter of the new positions only
-        vc[slots] = v
+        g, p = layout.group[layer], layout.slot[layer]
+        kc, vc = k_cache[p], v_cache[p]
+        kc[slots[g]] = k               # scatter of the new positions only
+        vc[slots[g]] = v
         outs = [_sdpa(q[o:o + n], kc[index], vc[index], start, scale, windows[layer])
-                for o, n, start, index in reads]
+                for o, n, start, index in reads[g]]
         return outs[0] if len(outs) == 1 else mx.concatenate(outs)
     return attend
 

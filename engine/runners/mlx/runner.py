@@ -9,6 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from engine.core.sampling import SamplingParams
+from engine.kv.layout import Layout
 from engine.models.decoder_mlx import load_mlx
 from engine.runners.base import Geometry, PickedLogprobs, Row, Sampled, flatten, in_order, logprob_rows
 from engine.runners.mlx import attention as mlx_attention
@@ -36,6 +37,7 @@ class MLXRunner:
         self.k_cache: list[mx.array] = []
         self.v_cache: list[mx.array] = []
         self.block_size = 0
+        self.layout: Layout | None = None     # paged: the layer groups (engine/kv/layout.py)
         self.dense: dict[int, list[list[mx.array]]] = {}
         self.next_buf = 0
         self.keys: dict[int, mx.array] = {}
@@ -44,12 +46,13 @@ class MLXRunner:
     def kv_budget(self, utilization: float, prefill_tokens: int) -> int | None:
         return None                   # unified memory: kv_cache_bytes bounds the pool
 
-    def init_paged(self, num_blocks: int, block_size: int) -> None:
+    def init_paged(self, num_blocks: int, block_size: int, layout: Layout | None = None) -> None:
         self.paged = True
         self.block_size = block_size
+        self.layout = layout = layout or Layout.of(self.windows, hybrid=False)
         shape = (num_blocks * block_size, *self.kv_shape)
-        self.k_cache = [mx.zeros(shape, dtype=self.dtype) for _ in range(self.layers)]
-        self.v_cache = [mx.zeros(shape, dtype=self.dtype) for _ in range(self.layers)]
+        self.k_cache = [mx.zeros(shape, dtype=self.dtype) for _ in range(layout.width)]
+        self.v_cache = [mx.zeros(shape, dtype=self.dtype) for _ in range(layout.width)]
         mx.eval(self.k_cache, self.v_cache)
 
     def _buffer(self, capacity: int) -> list[list[mx.array]]:
@@ -84,8 +87,8 @@ class MLXRunner:
         bs = self.block_size
         with mx.stream(self._stream()):
             for cache in (self.k_cache, self.v_cache):
-                for layer in range(self.layers):
-                    cache[layer][dst * bs:(dst + 1) * bs] = cache[layer][src * bs:(src + 1) * bs]
+                for page in cache:
+                    page[dst * bs:(dst + 1) * bs] = page[src * bs:(src + 1) * bs]
 
     def check(self, params: SamplingParams) -> None:
         for name, off in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1),
@@ -153,7 +156,7 @@ class MLXRunner:
                     ids_a[mx.array(dst)] = prev.tokens[mx.array(src)]
             if self.paged:
                 attn = mlx_attention.paged(self.k_cache, self.v_cache, self.block_size, rows, self.scale,
-                                           self.windows)
+                                           self.windows, self.layout)
             else:
                 attn = mlx_attention.dense(self.dense, rows, self.scale, self.windows)
             hidden = self.model.forward(ids_a, mx.array(positions), attn)

@@ -22,6 +22,7 @@ import time
 import torch
 
 from engine.kernels import CALLS, KernelOps
+from engine.kv.layout import Layout
 from engine.models.decoder import Decoder
 from engine.runners.base import Row
 from engine.runners.torch.host import upload
@@ -46,19 +47,23 @@ def plain(row: Row) -> bool:
 
 class GraphDecode:
     def __init__(self, model: Decoder, ops: KernelOps, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-                 max_batch: int, width: int, scratch: int, capture: bool, windows: list[int] | None = None) -> None:
-        """`width`: block-table columns (a sequence's most blocks); `scratch`: a block no sequence holds."""
+                 max_batch: int, width: int, scratch: int, capture: bool, windows: list[int] | None = None,
+                 layout: Layout | None = None) -> None:
+        """`width`: block-table columns (a sequence's most blocks); `scratch`: a block no sequence holds; `layout`:
+        the KV layer groups (None: one)."""
         self.model, self.ops, self.k_cache, self.v_cache, self.scale = model, ops, k_cache, v_cache, scale
-        self.windows = windows or [0] * k_cache.shape[0]
+        self.layout = layout or Layout.of([0] * k_cache.shape[0])
+        self.windows = windows or [0] * len(self.layout.group)
         self.sizes = buckets(max_batch)
         self.size, self.width = self.sizes[-1], width
         self.block_size = k_cache.shape[2]
-        dev = k_cache.device
+        dev, groups = k_cache.device, self.layout.groups
         self.ids = torch.zeros(self.size, dtype=torch.long, device=dev)
-        self.meta = torch.zeros((3, self.size), dtype=torch.long, device=dev)      # positions, slots, lengths
-        self.tables = torch.full((self.size, width), scratch, dtype=torch.long, device=dev)
-        self.pad = (0, scratch * self.block_size, 1, scratch)          # a padding row: position 0 in the scratch
-        self.meta[:] = torch.tensor(self.pad[:3], dtype=torch.long, device=dev)[:, None]
+        # positions, lengths, then each group's slots
+        self.meta = torch.zeros((2 + groups, self.size), dtype=torch.long, device=dev)
+        self.tables = torch.full((groups, self.size, width), scratch, dtype=torch.long, device=dev)
+        self.pad = (0, 1, scratch * self.block_size, scratch)          # a padding row: position 0 in the scratch
+        self.meta[:] = torch.tensor(self.pad[:2] + (self.pad[2],) * groups, dtype=torch.long, device=dev)[:, None]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.replays = 0              # steps served, captured or not
         if capture:
@@ -69,20 +74,24 @@ class GraphDecode:
 
     def fill(self, rows: list[Row], ids: torch.Tensor) -> int:
         """Write a step's inputs into the buffers; returns its bucket."""
-        n = len(rows)
+        n, groups = len(rows), self.layout.groups
         b = self.bucket(n)
-        used = max(len(r.block_table) for r in rows)
-        position, slot, length, block = self.pad
+        kv = [[r.kv(g) for r in rows] for g in range(groups)]
+        used = max(len(t) for per in kv for _, t in per)
+        position, length, slot, block = self.pad
         host = [r.start for r in rows] + [position] * (b - n)
-        host += [r.slots[0] for r in rows] + [slot] * (b - n)
         host += [r.start + 1 for r in rows] + [length] * (b - n)
-        for r in rows:
-            host += r.block_table + [block] * (used - len(r.block_table))
-        host += [block] * (used * (b - n))
+        for per in kv:
+            host += [slots[0] for slots, _ in per] + [slot] * (b - n)
+        for per in kv:
+            for _, table in per:
+                host += table + [block] * (used - len(table))
+            host += [block] * (used * (b - n))
         flat = upload(host, self.ids.device)                  # one copy to the device a step
         self.ids[:n].copy_(ids)
-        self.meta[:, :b].copy_(flat[:3 * b].view(3, b))
-        self.tables[:b, :used].copy_(flat[3 * b:].view(b, used))
+        rows_meta = (2 + groups) * b
+        self.meta[:, :b].copy_(flat[:rows_meta].view(2 + groups, b))
+        self.tables[:, :b, :used].copy_(flat[rows_meta:].view(groups, b, used))
         return b
 
     def run(self, rows: list[Row], ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,14 +110,15 @@ class GraphDecode:
     def step(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode step over the buffers' first b rows: embed, every layer (KV write, paged attention), logits,
         argmax. Nothing in it reads the host, so it can be captured."""
-        ids, tables = self.ids[:b], self.tables[:b]
-        positions, slots, lens = self.meta[0, :b], self.meta[1, :b], self.meta[2, :b]
+        ids, tables = self.ids[:b], self.tables[:, :b]
+        positions, lens, slots = self.meta[0, :b], self.meta[1, :b], self.meta[2:, :b]
         ops, kc, vc, scale, bound = self.ops, self.k_cache, self.v_cache, self.scale, self.width * self.block_size
+        group, page = self.layout.group, self.layout.slot
 
         def attend(layer: int, q, k, v):
-            ops.write_kv(kc[layer], vc[layer], slots, k, v)
-            return ops.paged_decode_attention(q, kc[layer], vc[layer], tables, lens, scale, bound,
-                                              self.windows[layer])
+            g, p = group[layer], page[layer]
+            ops.write_kv(kc[p], vc[p], slots[g], k, v)
+            return ops.paged_decode_attention(q, kc[p], vc[p], tables[g], lens, scale, bound, self.windows[layer])
         logits = self.model.logits(self.model(ids, positions, attend))
         return logits, logits.argmax(-1)
 

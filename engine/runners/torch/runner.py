@@ -10,6 +10,7 @@ import torch
 from engine import kernels
 from engine.core.sampling import SamplingParams
 from engine.kernels import cpu_gemv, cpu_layers, cpu_pointwise
+from engine.kv.layout import Layout
 from engine.models.loader import load_model
 from engine.runners.base import Geometry, Row, Sampled, flatten, in_order, logprob_rows
 from engine.runners.torch import attention as torch_attention
@@ -56,6 +57,7 @@ class TorchRunner:
         self.layers, self.kv_shape, self.bytes_per_token, self.scale = g.layers, g.kv_shape, g.bytes_per_token, g.scale
         self.windows = g.windows
         self.paged = False                # init_paged: a block pool; else one dense buffer per sequence
+        self.layout: Layout | None = None     # paged: the layer groups (engine/kv/layout.py)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.dense: dict[int, torch.Tensor] = {}
@@ -94,18 +96,22 @@ class TorchRunner:
         step = prefill_tokens * (2 * 4 * self.vocab_size + 4 * cfg.intermediate_size * self.dtype.itemsize)
         return int(total * utilization) - torch.cuda.memory_reserved(self.device) - step
 
-    def init_paged(self, num_blocks: int, block_size: int) -> None:
+    def init_paged(self, num_blocks: int, block_size: int, layout: Layout | None = None) -> None:
         self.paged = True
-        shape = (self.layers, num_blocks + self.use_graphs, block_size, *self.kv_shape)    # + the graphs' scratch
+        self.layout = layout = layout or Layout.of(self.windows, hybrid=False)
+        shape = (layout.width, num_blocks + self.use_graphs, block_size, *self.kv_shape)    # + the graphs' scratch
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.model.stack is not None:
+            self.model.stack.use_layout(layout.group, layout.slot)
         if self.compile:
-            self.compiled = CompiledDecode(self.model, self.k_cache, self.v_cache, self.scale, self.gemv, self.windows)
+            self.compiled = CompiledDecode(self.model, self.k_cache, self.v_cache, self.scale, self.gemv, self.windows,
+                                           layout)
         if self.use_graphs:
             width = min(num_blocks, -(-self.max_model_len // block_size))
             self.graphs = GraphDecode(self.model, self.ops, self.k_cache, self.v_cache, self.scale,
                                       self.max_batch_size, width, num_blocks, self.device.type == "cuda",
-                                      self.windows)
+                                      self.windows, layout)
 
     def dense_alloc(self, capacity: int) -> int:
         buf, self.next_buf = self.next_buf, self.next_buf + 1
@@ -168,7 +174,8 @@ class TorchRunner:
             self.graph_step = Step(rows, logits, None, greedy)
             return self.graph_step
         if self.paged:
-            attn = torch_attention.paged(self.ops, self.k_cache, self.v_cache, rows, self.scale, dev, self.windows)
+            attn = torch_attention.paged(self.ops, self.k_cache, self.v_cache, rows, self.scale, dev, self.windows,
+                                         self.layout)
         else:
             attn = torch_attention.dense(self.dense, rows, self.scale, self.windows)
         hidden = self.model(ids_t, upload(positions, dev), attn)
