@@ -7,6 +7,8 @@ import torch
 from engine import LLM
 from engine.config import EngineConfig
 from engine.kernels import cpu_gemv, cpu_pointwise
+from engine.kv.layout import Layout
+from engine.models.presets import cached_model
 from engine.runners.base import Row
 from engine.runners.torch import attention as torch_attention
 from engine.runners.torch.runner import TorchRunner
@@ -20,22 +22,37 @@ def no_fused_layers(monkeypatch):
 
 
 
-def test_compiled_step_matches_eager_logits_and_writes_the_same_kv(odd_dir):
-    eager, compiled = (TorchRunner(odd_dir, "float32", "cpu", compile=c) for c in (False, True))
+def one_group() -> tuple[int, Layout | None, list[Row]]:
+    # two rows, tables with headroom past the blocks in use, one table shorter than the other
+    return 16, None, [Row(0, 19, [5], slots=[4 * 8 + 3], block_table=[7, 2, 4, 9, 11]),
+                      Row(1, 6, [9], slots=[3 * 8 + 6], block_table=[3])]
+
+
+def sliding_groups() -> tuple[int, Layout | None, list[Row]]:
+    """tiny-gemma3's layers: a full group and two with a window of 48; row 0 at position 60 slides."""
+    tables = [[7, 2, 4, 9, 11, 12, 13, 14], [0, 15, 16, 17, 18, 19, 20, 21], [0, 22, 23, 24, 25, 26, 27, 28]]
+    at = [([t[7] * 8 + 4], t) for t in tables]
+    return 32, Layout.of([48, 48, 0]), [Row(0, 60, [5], slots=at[0][0], block_table=tables[0], groups=at[1:]),
+                                        Row(1, 6, [9], slots=[3 * 8 + 6], block_table=[3],
+                                            groups=[([29 * 8 + 6], [29]), ([30 * 8 + 6], [30])])]
+
+
+@pytest.mark.parametrize("case", [one_group, sliding_groups])
+def test_compiled_step_matches_eager_logits_and_writes_the_same_kv(odd_dir, case):
+    model = odd_dir if case is one_group else str(cached_model("tiny-gemma3"))
+    blocks, layout, rows = case()
+    eager, compiled = (TorchRunner(model, "float32", "cpu", compile=c) for c in (False, True))
     for r in (eager, compiled):
-        r.init_paged(16, 8)
+        r.init_paged(blocks, 8, layout)
         torch.manual_seed(0)
         r.k_cache.normal_()
         r.v_cache.normal_()
-    # two rows, tables with headroom past the blocks in use, one table shorter than the other
-    rows = [Row(0, 19, [5], slots=[4 * 8 + 3], block_table=[7, 2, 4, 9, 11]), Row(1, 6, [9], slots=[3 * 8 + 6],
-                                                                                   block_table=[3])]
     with torch.inference_mode():
         ids = torch.tensor([5, 9])
         got = compiled.compiled(ids, rows)
-        attn = torch_attention.paged(
-            eager.ops, eager.k_cache, eager.v_cache, rows, eager.scale, eager.device)
-        want = eager.model.logits(eager.model(ids, torch.tensor([19, 6]), attn))
+        attn = torch_attention.paged(eager.ops, eager.k_cache, eager.v_cache, rows, eager.scale, eager.device,
+                                     eager.windows, eager.layout)
+        want = eager.model.logits(eager.model(ids, torch.tensor([r.start for r in rows]), attn))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(compiled.k_cache, eager.k_cache)
     torch.testing.assert_close(compiled.v_cache, eager.v_cache)

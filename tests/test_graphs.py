@@ -54,10 +54,10 @@ def test_a_step_pads_to_its_bucket_into_the_scratch_block_and_matches_the_dynami
         want = dynamic.model.logits(dynamic.model(ids, torch.tensor([19, 6, 0]), attn))
     assert logits.shape == (3, fixed.vocab_size) and torch.equal(tokens, logits.argmax(-1))
     torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
-    # the fourth row is padding: position 0, the scratch block's first slot, length 1, a table of the scratch
-    assert g.meta[:, 3].tolist() == [0, 16 * 8, 1] and g.tables[3, 0] == 16
-    assert g.meta[:, :3].tolist() == [[19, 6, 0], [35, 30, 40], [20, 7, 1]]
-    assert g.tables[0, :3].tolist() == [7, 2, 4] and g.tables[1, :3].tolist() == [3, 16, 16]
+    # the fourth row is padding: position 0, length 1, the scratch block's first slot, a table of the scratch
+    assert g.meta[:, 3].tolist() == [0, 1, 16 * 8] and g.tables[0, 3, 0] == 16
+    assert g.meta[:, :3].tolist() == [[19, 6, 0], [20, 7, 1], [35, 30, 40]]
+    assert g.tables[0, 0, :3].tolist() == [7, 2, 4] and g.tables[0, 1, :3].tolist() == [3, 16, 16]
     # K/V changed at the three rows' slots and the scratch's, nowhere else
     changed = (fixed.k_cache != before).flatten(3).any(-1).any(0).nonzero().tolist()
     assert changed == [[3, 6], [4, 3], [5, 0], [16, 0]]

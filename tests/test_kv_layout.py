@@ -3,6 +3,8 @@ stay within its window, a prompt-cache hit adopts the last window's blocks of ea
 on a sliding-window model holds less KV per sequence than with one table for every layer, with the same tokens."""
 from __future__ import annotations
 
+import pytest
+
 from engine import LLM
 from engine.core.request import Request
 from engine.core.sampling import SamplingParams
@@ -111,3 +113,23 @@ def test_an_engine_on_a_sliding_model_holds_less_and_decodes_the_same(tmp_path):
     assert outs[0] == outs[1]
     assert held[1] == 3 * -(-240 // BS)
     assert held[0] <= -(-240 // BS) + 2 * (-(-48 // BS) + 2)
+
+
+@pytest.mark.parametrize("options", [{"attention": "reference"}, {"cuda_graphs": "true"}, {"runner": "mlx"}],
+                         ids=["reference", "graphs", "mlx"])
+def test_every_decode_path_reads_the_groups_tables(options):
+    """The same tokens as one table for every layer, cold and after a hit, batched (tiny-gemma3, fp32; the
+    compiled step: test_compiled_decode.py; Triton's: test_triton.py)."""
+    if options.get("runner") == "mlx":
+        pytest.importorskip("mlx.core")
+    model = str(cached_model("tiny-gemma3"))
+    prompts = [random_ids(n, seed=6 + n) for n in (150, 90)]
+    options = {"dtype": "float32", **options}
+    want = [o.token_ids for o in LLM(model=model, block_size=BS, disable_hybrid_kv_cache_manager=True,
+                                     **options).generate(prompts, greedy(30))]
+    llm = LLM(model=model, block_size=BS, **options)
+    assert llm.engine.kv.layout.groups == 3
+    for attempt in ("cold", "hit"):
+        outs = llm.generate(prompts, greedy(30))
+        assert [o.token_ids for o in outs] == want, attempt
+        assert all(o.cached_tokens > 0 for o in outs) == (attempt == "hit")
