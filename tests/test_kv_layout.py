@@ -31,15 +31,45 @@ def test_layers_group_by_window_in_groups_of_equal_size():
         assert one.windows == (0,) and one.slot == (0, 1, 2) and one.width == 3
 
 
-def kv(blocks: int = 64, windows: tuple[int, ...] = (0, 32)) -> PagedKV:
+def kv(blocks: int = 64, windows: tuple[int, ...] = (0, 32), chunk: int = 0) -> PagedKV:
     cache = PrefixCache(BS)
-    return PagedKV(BlockPool(blocks, BS, index=cache), cache, lambda src, dst: None, Layout.of(list(windows)))
+    return PagedKV(BlockPool(blocks, BS, index=cache), cache, lambda src, dst: None, Layout.of(list(windows)), chunk)
 
 
-def prefill(store: PagedKV, req: Request) -> None:
-    assert store.admit(req)
-    req.num_computed = req.num_allocated = req.prefill_target
-    store.commit(req)
+def prefill(store: PagedKV, req: Request, admit: bool = True) -> list[int]:
+    """Admit and prefill in the store's chunks; the blocks each group held at each step."""
+    assert not admit or store.admit(req)
+    held = []
+    while req.prefilling:
+        end = min(req.prefill_target, req.num_computed + (store.chunk or req.prefill_target))
+        assert store.grow(req, end)
+        held.append([len(t) - lo for t, lo in zip(req.tables, req.slid)])
+        req.num_computed = req.num_allocated = end
+        store.commit(req)
+    return held
+
+
+def test_a_long_prompt_takes_a_sliding_groups_blocks_chunk_by_chunk():
+    store = kv(blocks=40, chunk=48)
+    req = Request(0, random_ids(300, seed=7), SamplingParams(max_tokens=1))
+    other = Request(1, random_ids(150, seed=8), SamplingParams(max_tokens=1))
+    held = prefill(store, req)
+    assert held[0] == [-(-300 // BS), 3] and max(h[1] for h in held) <= store.span(1, 300) < -(-300 // BS)
+    assert not store.admit(other)          # 10 blocks for its full group, and its sliding one's reservation: no room
+    store.release(req)
+    assert store.pool.num_used == 0 and store.admit(other)
+
+
+def test_a_prefill_under_way_keeps_what_admission_reserved():
+    store = kv(blocks=40, chunk=48)
+    first = Request(0, random_ids(200, seed=9), SamplingParams(max_tokens=1))
+    assert store.admit(first)               # 13 full blocks, 3 sliding ones, and 8 - 3 more reserved
+    assert store.pool.num_free == 40 - 13 - 3 and store.span(1, 200) == 8
+    later = Request(1, random_ids(14 * BS, seed=10), SamplingParams(max_tokens=1))
+    assert not store.admit(later)           # 14 + 3 + 5 blocks: 22 of the 24 free, but 5 of those are promised
+    assert max(h[1] for h in prefill(store, first, admit=False)) <= 8
+    store.release(first)
+    assert store.admit(later)
 
 
 def test_a_sliding_group_holds_its_window_and_a_block_more():

@@ -28,12 +28,13 @@ FAMILIES = [[1, 2, 3, 1, 2, 3, 1, 2], [2, 2, 2, 2, 3, 3, 3, 3], [1, 1, 1, 1, 1, 
 class PagedKVMachine(RuleBasedStateMachine):
     layout = Layout.of([0, 0])
     blocks = BLOCKS
+    chunk = 0
 
     def __init__(self) -> None:
         super().__init__()
         self.cache = PrefixCache(BS)
         self.pool = BlockPool(self.blocks, BS, index=self.cache)
-        self.kv = PagedKV(self.pool, self.cache, self._copy, self.layout)
+        self.kv = PagedKV(self.pool, self.cache, self._copy, self.layout, self.chunk)
         self.running: list[Request] = []
         self.truth: dict[int, dict[int, int]] = {}      # block -> {offset: token} actually written there
         self.made: dict[int, dict[int, tuple]] = {}     # block -> {offset: (group, the ids up to there)}
@@ -66,16 +67,33 @@ class PagedKVMachine(RuleBasedStateMachine):
             for pos in range(self.layout.first_needed(g, adopted), adopted):
                 block = req.tables[g][pos // BS]
                 assert self.made[block][pos % BS] == (g, tuple(req.all_ids[:pos + 1]))
-        self._write(req, adopted, req.prefill_target)
-        req.num_computed = req.num_allocated = req.prefill_target
-        self.kv.commit(req)
-        req.output_ids.append(1 + self.ids % 3)
         self.running.append(req)
+        self._prefill_chunk(req)
 
-    @precondition(lambda self: self.running)
+    def _prefill_chunk(self, req: Request) -> None:
+        """One prefill step: a sliding group's blocks come chunk by chunk, from what admission reserved."""
+        end = min(req.prefill_target, req.num_computed + (self.chunk or req.prefill_target))
+        assert self.kv.grow(req, end)
+        self._write(req, req.num_computed, end)
+        req.num_computed = req.num_allocated = end
+        self.kv.commit(req)
+        if not req.prefilling:
+            req.output_ids.append(1 + req.id % 3)
+
+    @property
+    def ready(self) -> list[Request]:
+        return [r for r in self.running if not r.prefilling]
+
+    @precondition(lambda self: any(r.prefilling for r in self.running))
+    @rule(i=st.integers(0, 3))
+    def prefill(self, i):
+        filling = [r for r in self.running if r.prefilling]
+        self._prefill_chunk(filling[i % len(filling)])
+
+    @precondition(lambda self: self.ready)
     @rule(i=st.integers(0, 3), token=st.integers(1, 3))
     def decode(self, i, token):
-        req = self.running[i % len(self.running)]
+        req = self.ready[i % len(self.ready)]
         p = req.num_computed
         if len(req.output_ids) >= req.params.max_tokens or not self.kv.grow(req, p + 1):
             return
@@ -84,22 +102,22 @@ class PagedKVMachine(RuleBasedStateMachine):
         self.kv.commit(req)
         req.output_ids.append(token)
 
-    @precondition(lambda self: self.running and len(self.running) < 6)
+    @precondition(lambda self: self.ready and len(self.running) < 6)
     @rule(i=st.integers(0, 3))
     def fork(self, i):
         """A sequence of a parallel-sampling request takes a copy of another's KV and output so far."""
-        src = self.running[i % len(self.running)]
+        src = self.ready[i % len(self.ready)]
         seq = Request(self.ids, src.prompt_ids, src.params, output_ids=list(src.output_ids))
         self.ids += 1
         self.kv.fork(src, seq)
         seq.num_computed = seq.num_allocated = src.num_computed
         self.running.append(seq)
 
-    @precondition(lambda self: self.running)
+    @precondition(lambda self: self.ready)
     @rule(i=st.integers(0, 3))
     def speculate_and_unwind(self, i):
         """A lookahead step reserves a position, then the row finishes and gives it back."""
-        req = self.running[i % len(self.running)]
+        req = self.ready[i % len(self.ready)]
         p = req.num_computed
         if self.kv.grow(req, p + 1):
             self.kv.slots(req, p, p + 1)
@@ -146,9 +164,10 @@ class PagedKVMachine(RuleBasedStateMachine):
 
 
 class HybridKVMachine(PagedKVMachine):
-    """One full layer and one with a window of 6 positions: two groups of one layer each."""
+    """One full layer and one with a window of 6 positions: two groups of one layer each; prefill in chunks of 5."""
     layout = Layout.of([0, 6])
     blocks = 2 * BLOCKS
+    chunk = 5
 
 
 PagedKVMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

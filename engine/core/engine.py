@@ -71,7 +71,7 @@ class Engine:
         runner.init_paged(num_blocks, config.block_size, layout)
         cache = PrefixCache(config.block_size, self.kv_events) if config.prompt_cache else None
         self.pool = BlockPool(num_blocks, config.block_size, config.contiguous_blocks, cache)
-        return PagedKV(self.pool, cache, runner.copy_block, layout)
+        return PagedKV(self.pool, cache, runner.copy_block, layout, config.prefill_chunk)
 
     def _publisher(self):
         """KV events: the prompt cache's log, and the thread that sends it. A fresh engine first says its cache
@@ -152,7 +152,8 @@ class Engine:
                         self._finish(req, "abort")
 
     def _prefill(self) -> None:
-        plan = self.scheduler.prefill_plan()
+        # a sliding layer group gets its blocks chunk by chunk (engine/kv/paged.py)
+        plan = [(req, n) for req, n in self.scheduler.prefill_plan() if self.kv.grow(req, req.num_computed + n)]
         if not plan:
             return
         rows = []

@@ -4,7 +4,12 @@ A model with sliding-window layers has a table per layer group (engine/kv/layout
 blocks no query can read again, one block behind its window; their table entries stay as they were (stale ids no
 kernel reads: attention starts at the window). A prompt-cache hit needs the first group's blocks of the whole prefix
 and each sliding group's blocks of its last window only; the longest prefix for which every group has them is
-adopted."""
+adopted.
+
+A full group gets its blocks for the whole prefill at admission. A sliding group gets them chunk by chunk (`grow`
+before each prefill step), so a long prompt never holds more than its window and a chunk there; admission reserves
+that much for it (`span`), and nothing else may allocate into the reservations of prefills under way, so a prefill
+once admitted always finds its next chunk's blocks."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -22,37 +27,60 @@ def contiguity(table: list[int]) -> tuple[int, int]:
 
 class PagedKV:
     def __init__(self, pool: BlockPool, cache: PrefixCache | None, copy: Callable[[int, int], None],
-                 layout: Layout | None = None) -> None:
+                 layout: Layout | None = None, chunk: int = 0) -> None:
         self.pool = pool
         self.cache = cache
         self.copy = copy            # the runner's block copy (src, dst), ordered before the next step's writes
         self.bs = pool.block_size
         self.layout = layout or Layout.of([0])
+        self.chunk = chunk          # most prompt tokens a prefill step takes (0: all of it)
+        self.filling: dict[int, Request] = {}     # prefills under way that hold reservations
         self.copies = 0             # copy-on-write block copies made
+
+    def span(self, g: int, prefill: int) -> int:
+        """The most blocks group g holds during a prefill of `prefill` positions."""
+        w, full = self.layout.windows[g], cdiv(prefill, self.bs)
+        return full if not w or not self.chunk else min(full, cdiv(w, self.bs) + cdiv(self.chunk, self.bs) + 3)
 
     def fits(self, req: Request) -> bool:
         """Whether the request could ever run: its prefill plus one decode position (each fork: one more block
         for its private tail), in every group, fits an empty pool."""
-        return (cdiv(req.prefill_target + 1, self.bs) + len(req.forks)) * self.layout.groups <= self.pool.num_blocks
+        target = req.prefill_target + 1
+        need = sum(self.span(g, target) + len(req.forks) for g in range(self.layout.groups))
+        return need <= self.pool.num_blocks
+
+    def _reserved(self, skip: Request | None = None) -> int:
+        """Blocks the prefills under way (but `skip`) may still take."""
+        return sum(max(0, self.span(g, r.prefill_target) - (len(t) - lo))
+                   for r in self.filling.values() if r is not skip
+                   for g, (t, lo) in enumerate(zip(r.tables, r.slid)) if self.layout.windows[g])
 
     def admit(self, req: Request) -> bool:
         """Adopt the longest cached prefix and allocate blocks for the rest of the prefill; False if no room."""
         keys = self.cache.match(req.all_ids, req.params.cache_salt) if self.cache and \
             req.params.prompt_logprobs is None else []
         n_adopt, hits = self._hit(keys, min(len(keys), (req.seq_len - 1) // self.bs))
-        needed = cdiv(req.prefill_target, self.bs) - n_adopt
+        target, start = req.prefill_target, n_adopt * self.bs
+        first = min(target, start + self.chunk) if self.chunk else target      # a sliding group's first chunk
+        ends = [cdiv(target if not w else first, self.bs) for w in self.layout.windows]
+        needed = sum(end - n_adopt for end in ends)
+        filling = first < target and any(self.layout.windows)
+        reserve = sum(max(0, self.span(g, target) - (end - lo)) for g, (end, (lo, _)) in enumerate(zip(ends, hits))
+                      if self.layout.windows[g]) if filling else 0
         evictable_hits = sum(1 for found in hits for b in found[1] if self.pool.ref[b] == 0)
-        if needed * len(hits) > self.pool.num_free + self.pool.num_cached - evictable_hits:
+        if needed + reserve + self._reserved() > self.pool.num_free + self.pool.num_cached - evictable_hits:
             return False
-        expected = cdiv(len(req.prompt_ids) + req.params.max_tokens, self.bs) - n_adopt - needed
+        expected = cdiv(len(req.prompt_ids) + req.params.max_tokens, self.bs) - cdiv(target, self.bs)
         req.tables, req.slid = [], []
-        for w, (lo, found) in zip(self.layout.windows, hits):
+        for w, end, (lo, found) in zip(self.layout.windows, ends, hits):
             for b in found:
                 self.pool.adopt(b)
             room = max(0, expected) if not w else min(max(0, expected), cdiv(w, self.bs) + 1)
             req.tables.append([found[0] if found else 0] * lo + found +
-                              self.pool.allocate_run(needed, found[-1] if found else None, room))
+                              self.pool.allocate_run(end - n_adopt, found[-1] if found else None, room))
             req.slid.append(lo)
+        if filling:
+            self.filling[req.id] = req
         req.block_keys = keys[:n_adopt]
         req.num_computed = req.num_allocated = n_adopt * self.bs
         return True
@@ -89,7 +117,7 @@ class PagedKV:
         wanted = sum(max(0, end - len(t)) + s for t, s in zip(req.tables, shared))
         if not wanted:
             return True
-        if not self.pool.can_allocate(wanted):
+        if not self.pool.can_allocate(wanted + self._reserved(skip=req)):
             return False
         for table, copy in zip(req.tables, shared):
             if copy:
@@ -140,6 +168,8 @@ class PagedKV:
         for g, w in enumerate(self.layout.windows):
             if w:
                 self._slide(req, g)
+        if not req.prefilling:
+            self.filling.pop(req.id, None)
 
     def _slide(self, req: Request, g: int) -> None:
         """Let go of group g's blocks wholly before its window, one block of slack kept."""
@@ -175,6 +205,7 @@ class PagedKV:
                     self.pool.release(table[i])
         req.tables, req.slid = [], []
         req.block_keys = []
+        self.filling.pop(req.id, None)
 
     def stats(self) -> dict[str, int]:
         return {"free": self.pool.num_free, "used": self.pool.num_used, "cached": self.pool.num_cached}
