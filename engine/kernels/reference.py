@@ -43,11 +43,12 @@ def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, length: int) -
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_table: torch.Tensor, start: int, scale: float, window: int = 0) -> torch.Tensor:
     """New tokens q [T, nh, hd] at positions start.. over the cached prefix plus themselves (causal, and within
-    `window` positions when one is given)."""
-    ctx = start + q.shape[0]
-    k = gather_blocks(k_cache, block_table, ctx)
-    v = gather_blocks(v_cache, block_table, ctx)
-    return causal_attention(q, k, v, start, scale, window)
+    `window` positions when one is given: blocks wholly before the first query's window are not read)."""
+    ctx, bs = start + q.shape[0], k_cache.shape[1]
+    skip = max(0, start + 1 - window) // bs if window else 0
+    k = gather_blocks(k_cache, block_table[skip:], ctx - skip * bs)
+    v = gather_blocks(v_cache, block_table[skip:], ctx - skip * bs)
+    return causal_attention(q, k, v, start - skip * bs, scale, window)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -53,8 +53,12 @@ class Layout:
         w = self.windows[g]
         return max(0, position - w + 1) if w else 0
 
-    def blocks(self, tokens: int, block_size: int, extra: int = 0) -> int:
-        """Blocks one sequence holds at `tokens` positions once its window has slid (`extra` positions past it in
-        flight), every group together."""
-        full = cdiv(tokens, block_size)
-        return sum(full if not w else min(full, cdiv(w + extra, block_size) + 2) for w in self.windows)
+    def span(self, g: int, positions: int, block_size: int, chunk: int = 0) -> int:
+        """The most blocks group g holds for a sequence of `positions` positions prefilled `chunk` at a time (0: all
+        at once): a sliding group, its window, a chunk, and the blocks they straddle."""
+        w, full = self.windows[g], cdiv(positions, block_size)
+        return full if not w or not chunk else min(full, cdiv(w, block_size) + cdiv(chunk, block_size) + 3)
+
+    def blocks(self, positions: int, block_size: int, chunk: int = 0) -> int:
+        """The most blocks one sequence holds, every group together."""
+        return sum(self.span(g, positions, block_size, chunk) for g in range(self.groups))

@@ -39,15 +39,13 @@ class PagedKV:
 
     def span(self, g: int, prefill: int) -> int:
         """The most blocks group g holds during a prefill of `prefill` positions."""
-        w, full = self.layout.windows[g], cdiv(prefill, self.bs)
-        return full if not w or not self.chunk else min(full, cdiv(w, self.bs) + cdiv(self.chunk, self.bs) + 3)
+        return self.layout.span(g, prefill, self.bs, self.chunk)
 
     def fits(self, req: Request) -> bool:
         """Whether the request could ever run: its prefill plus one decode position (each fork: one more block
         for its private tail), in every group, fits an empty pool."""
-        target = req.prefill_target + 1
-        need = sum(self.span(g, target) + len(req.forks) for g in range(self.layout.groups))
-        return need <= self.pool.num_blocks
+        need = self.layout.blocks(req.prefill_target + 1, self.bs, self.chunk)
+        return need + len(req.forks) * self.layout.groups <= self.pool.num_blocks
 
     def _reserved(self, skip: Request | None = None) -> int:
         """Blocks the prefills under way (but `skip`) may still take."""

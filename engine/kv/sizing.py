@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 
 from engine.config import EngineConfig
-from engine.kv.layout import Layout, cdiv
+from engine.kv.layout import Layout
 from engine.runners.base import ModelRunner
 
 log = logging.getLogger("pagoda")
@@ -24,7 +24,5 @@ def pool_blocks(config: EngineConfig, runner: ModelRunner, max_model_len: int, l
     if util:
         log.info("pagoda: gpu_memory_utilization has no effect on this device; kv_cache_bytes bounds the KV pool")
     by_bytes = max(1, config.kv_cache_bytes // per_block)
-    bs = config.block_size
-    by_need = max(4 * config.max_batch_size * layout.blocks(max_model_len, bs, config.prefill_chunk),
-                  layout.groups * (cdiv(max_model_len, bs) + 1))      # one prompt of the longest prefills
+    by_need = 4 * config.max_batch_size * layout.blocks(max_model_len, config.block_size, config.prefill_chunk)
     return min(by_bytes, by_need)
