@@ -105,10 +105,11 @@ class EngineConfig:
 
     @property
     def model_name(self) -> str:
-        """The served name: served_model_name, else the model directory's name."""
+        """The served name: served_model_name, else the model directory's name (a .gguf file's: its stem)."""
         if self.served_model_name:
             return self.served_model_name
-        return os.path.basename(os.path.normpath(self.model)) if self.model else "small"
+        name = os.path.basename(os.path.normpath(self.model)) if self.model else "small"
+        return name.removesuffix(".gguf")
 
     @property
     def use_lookahead(self) -> bool:

@@ -11,10 +11,15 @@ from tokenizers import Tokenizer as HFTokenizer
 
 class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
+        """From a Hugging Face directory's tokenizer.json and tokenizer_config.json, or a .gguf file's metadata."""
         model_dir = Path(model_dir)
-        self.tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
-        config_file = model_dir / "tokenizer_config.json"
-        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.exists() else {}
+        if model_dir.suffix == ".gguf":
+            from engine.models import gguf_file
+            self.tok, config = gguf_file.tokenizer(model_dir)
+        else:
+            self.tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+            config_file = model_dir / "tokenizer_config.json"
+            config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.exists() else {}
         self.chat_template: str | None = config.get("chat_template")
         # what a template may print (Llama 3's starts with {{ bos_token }}), as transformers passes them
         self.specials = {name: value.get("content") if isinstance(value, dict) else value

@@ -47,6 +47,7 @@ class RopeSpec:
     low_freq_factor: float = 1.0      # llama3
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    divisors: tuple[float, ...] = ()  # per frequency (llama.cpp's rope_freqs tensor: Llama 3's scaling in a GGUF)
 
     @classmethod
     def of(cls, params: dict | None, theta: float) -> "RopeSpec":
@@ -55,7 +56,8 @@ class RopeSpec:
         if kind not in ROPE_KINDS:
             raise ValueError(f"model: rope_type {kind!r} is not supported (supported: {', '.join(ROPE_KINDS)})")
         keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        return cls(float(params.get("rope_theta", theta)), kind, **{k: params[k] for k in keys if k in params})
+        return cls(float(params.get("rope_theta", theta)), kind, **{k: params[k] for k in keys if k in params},
+                   divisors=tuple(params.get("rope_freqs", ())))
 
 
 @dataclass(slots=True)
@@ -106,7 +108,11 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
+        """A Hugging Face directory's config, or a .gguf file's metadata as transformers reads it."""
         path = Path(path)
+        if path.suffix == ".gguf":
+            from engine.models import gguf_file
+            return cls.from_hf(gguf_file.hf_config(path))
         if not (path / "config.json").is_file():
             raise ValueError(f"model: {path} has no config.json (it takes a Hugging Face model directory)")
         data = json.loads((path / "config.json").read_text(encoding="utf-8"))

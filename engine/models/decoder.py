@@ -51,8 +51,11 @@ class Linear(nn.Linear):
 
 
 def inv_freq(spec: RopeSpec, head_dim: int) -> torch.Tensor:
-    """RoPE's inverse frequencies, scaled as the spec says (transformers' default, linear and llama3 rules)."""
+    """RoPE's inverse frequencies, scaled as the spec says (transformers' default, linear and llama3 rules, or
+    llama.cpp's per-frequency divisors)."""
     inv = 1.0 / (spec.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if spec.divisors:
+        inv = inv / torch.tensor(spec.divisors, dtype=torch.float32)
     if spec.kind == "linear":
         return inv / spec.factor
     if spec.kind == "llama3":

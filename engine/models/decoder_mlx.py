@@ -194,6 +194,9 @@ def load_mlx(path: str | Path, dtype: str = "auto", contiguous: bool | None = No
     name = cfg.torch_dtype if dtype == "auto" else dtype
     target = DTYPES.get(name, mx.float32)
     weights: dict[str, mx.array] = {}
-    for file in shard_files(path):
+    if path.suffix == ".gguf":
+        from engine.models import gguf_file
+        weights = {k: mx.array(v.float().numpy()).astype(target) for k, v in gguf_file.tensors(path, cfg)}
+    for file in () if path.suffix == ".gguf" else shard_files(path):
         weights.update({k: v.astype(target) for k, v in mx.load(str(file)).items()})
     return DecoderMLX(cfg, weights, contiguous)

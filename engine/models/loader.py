@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from engine.models import hugepages
+from engine.models import gguf_file, hugepages
 from engine.models.config import ModelConfig
 from engine.models.decoder import Decoder, ropes
 
@@ -45,29 +46,37 @@ def shard_files(path: Path) -> list[Path]:
     return files
 
 
-def load_state(path: Path, dtype: torch.dtype, gemma: bool = False) -> dict[str, torch.Tensor]:
-    """Our parameter names from the checkpoint's, with q/k/v and gate/up fused."""
-    rename = _GEMMA if gemma else _RENAME
-    state: dict[str, torch.Tensor] = {}
-    parts: dict[str, dict[int, torch.Tensor]] = {}
+def safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """A Hugging Face directory's tensors, by their names there."""
     for file in shard_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                tensor = f.get_tensor(name).to(dtype)
-                if name == "model.embed_tokens.weight":
-                    state["embed.weight"] = tensor
-                elif name == "model.norm.weight":
-                    state["norm.weight"] = tensor
-                elif name == "lm_head.weight":
-                    state["lm_head.weight"] = tensor
-                elif m := _LAYER.fullmatch(name):
-                    layer, rest = m.groups()
-                    stem, _, kind = rest.rpartition(".")
-                    if stem in _FUSED:
-                        target, slot = _FUSED[stem]
-                        parts.setdefault(f"layers.{layer}.{target}.{kind}", {})[slot] = tensor
-                    elif rest in rename:
-                        state[f"layers.{layer}.{rename[rest]}"] = tensor
+                yield name, f.get_tensor(name)
+
+
+def load_state(path: Path, dtype: torch.dtype, gemma: bool = False,
+               tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
+    """Our parameter names from the checkpoint's (`tensors`: Hugging Face names and tensors; by default the
+    directory's safetensors), with q/k/v and gate/up fused."""
+    rename = _GEMMA if gemma else _RENAME
+    state: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in safetensors(path) if tensors is None else tensors:
+        tensor = tensor.to(dtype)
+        if name == "model.embed_tokens.weight":
+            state["embed.weight"] = tensor
+        elif name == "model.norm.weight":
+            state["norm.weight"] = tensor
+        elif name == "lm_head.weight":
+            state["lm_head.weight"] = tensor
+        elif m := _LAYER.fullmatch(name):
+            layer, rest = m.groups()
+            stem, _, kind = rest.rpartition(".")
+            if stem in _FUSED:
+                target, slot = _FUSED[stem]
+                parts.setdefault(f"layers.{layer}.{target}.{kind}", {})[slot] = tensor
+            elif rest in rename:
+                state[f"layers.{layer}.{rename[rest]}"] = tensor
     for name, pieces in parts.items():
         state[name] = torch.cat([pieces[i] for i in sorted(pieces)], dim=0)
     return state
@@ -77,7 +86,8 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu") -> De
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     torch_dtype = resolve_dtype(dtype, cfg)
-    state = load_state(path, torch_dtype, cfg.gemma_norms)
+    state = load_state(path, torch_dtype, cfg.gemma_norms, gguf_file.tensors(path, cfg) if path.suffix == ".gguf"
+                       else None)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     elif "lm_head.weight" not in state:
