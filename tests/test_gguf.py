@@ -78,7 +78,7 @@ def write(src: Path, out: Path, quant: str = "F32") -> Path:
         w.add_tensor("rope_freqs.weight", (plain / inv_freq(spec, cfg.head_dim)).numpy().astype(np.float32))
     for name, array in load_file(str(src / "model.safetensors")).items():
         array = array.astype(np.float32)
-        if arch == "llama" and (".q_proj." in name or ".k_proj." in name) and name.endswith("weight"):
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             array = permute(array, cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads)
         if array.ndim == 2 and quant == "F16":
             array = array.astype(np.float16)
@@ -101,9 +101,22 @@ def rounded(array: np.ndarray, quant: str) -> np.ndarray:
     return gguf.dequantize(gguf.quantize(array, kind), kind).reshape(array.shape)
 
 
-@pytest.mark.parametrize("preset,quant", [("tiny-llama", "F32"), ("tiny", "F16"), ("tiny", "Q8_0")])
+def llama(tmp_path: Path) -> Path:
+    """The tiny preset as a Llama (q/k/v biases unused) with Llama 3's RoPE scaling: a small vocabulary."""
+    import shutil
+    src = tmp_path / "tiny-llama-small"
+    shutil.copytree(cached_model("tiny"), src)
+    data = json.loads((src / "config.json").read_text())
+    data.update(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False, mlp_bias=False,
+                rope_theta=500000.0, rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                                       high_freq_factor=4.0, original_max_position_embeddings=256))
+    (src / "config.json").write_text(json.dumps(data))
+    return src
+
+
+@pytest.mark.parametrize("preset,quant", [("llama", "F32"), ("tiny", "F16"), ("tiny", "Q8_0")])
 def test_a_gguf_file_decodes_as_transformers_on_its_source(preset, quant, tmp_path):
-    src = cached_model(preset)
+    src = llama(tmp_path) if preset == "llama" else cached_model(preset)
     file = write(src, tmp_path / f"{preset}.gguf", quant)
     prompt = random_ids(40, seed=3)
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()

@@ -141,7 +141,7 @@ def tensors(path: str | Path, cfg) -> Iterator[tuple[str, torch.Tensor]]:
         else:                             # blocks: dequantized for now
             array = dequantize(t.data, t.tensor_type)
         weight = torch.from_numpy(np.array(array, dtype=np.float32).reshape([int(n) for n in reversed(t.shape)]))
-        if arch == "llama" and m and m[2] in ("attn_q", "attn_k") and m[3] == "weight":
+        if arch == "llama" and m and m[2] in ("attn_q", "attn_k"):         # weights and biases
             weight = _unpermute(weight, cfg.num_attention_heads if m[2] == "attn_q" else cfg.num_key_value_heads)
         if arch == "gemma3" and t.name.endswith("norm.weight"):
             weight = weight - 1
