@@ -48,7 +48,10 @@ class CpuGemv:
               act: str | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
         """F.linear with a decode layer's neighbours in the same call: of norm(x) (an RMSNorm: its weight, eps and
         style), or of act(gate) * up where x = [gate | up] (act: silu or gelu_pytorch_tanh); plus residual [m, n].
-        Any size of weight; fp32 or bf16 (rounded after each op as the model's torch path rounds)."""
+        Any size of weight; fp32 or bf16 (rounded after each op as the model's torch path rounds), or blocks
+        (models/quant.QLinear, fp32)."""
+        if not isinstance(weight, torch.Tensor):
+            return weight.fused(x, bias, norm=norm, act=act, residual=residual)
         x = x.contiguous()
         n, k = weight.shape
         y = torch.empty((x.shape[0], n), dtype=x.dtype)

@@ -12,6 +12,9 @@ void gemv_fused_f32(const float*, int64_t, const float*, const float*, float*, i
                     float, int, const float*);
 void gemv_fused_bf16(const bf16*, int64_t, const bf16*, const bf16*, bf16*, int64_t, int64_t, int, const bf16*, float,
                      int, const bf16*);
+struct Mat;
+void qgemv_fused(const float*, int64_t, const Mat*, const float*, float*, int64_t, int64_t, int, const float*, float,
+                 int, const float*);
 void rope_f32(float*, const float*, const float*, int64_t, int64_t, int64_t, int64_t);
 void rms_norm_f32(const float*, const float*, float, float*, int64_t, int64_t, int, const float*);
 void rms_norm_bf16(const bf16*, const bf16*, float, bf16*, int64_t, int64_t, int, const bf16*);
@@ -52,6 +55,16 @@ static void rope(float* x, const float* c, const float* s, int64_t t, int64_t h,
 static void rope(bf16* x, const bf16* c, const bf16* s, int64_t t, int64_t h, int64_t st, int64_t hd) {
     rope_bf16(x, c, s, t, h, st, hd);
 }
+// y = a projection of x as fused computes it, by a float weight w or, where q is set, by blocks (cpu_quant.cpp: fp32)
+template <typename T>
+static void project(const void* q, const T* x, int64_t m, const void* w, const void* b, T* y, int64_t n, int64_t k,
+                    int t, const void* norm, float eps, int mode, const T* res) {
+    if constexpr (sizeof(T) == 4)
+        if (q != nullptr)
+            return qgemv_fused(x, m, (const Mat*)q, (const float*)b, y, n, k, t, (const float*)norm, eps, mode, res);
+    fused(x, m, (const T*)w, (const T*)b, y, n, k, t, (const T*)norm, eps, mode, res);
+}
+
 // q, k and v: slices of each row of qkv, `stride` apart
 static void attend(const float* qkv, int64_t stride, float* kc, float* vc, const int64_t* slots,
                    const int64_t* tables, int64_t width, const int64_t* lens, int64_t m, int64_t nh, int64_t nkv,
@@ -66,13 +79,14 @@ static void attend(const bf16* qkv, int64_t stride, bf16* kc, bf16* vc, const in
                       m, nh, nkv, hd, bs, scale, window, out, t);
 }
 
-// One layer's weights, each of the model's dtype (biases and the family's optional norms null where it has none),
+// One layer's weights, each of the model's dtype (biases and the family's optional norms null where it has none; a
+// projection in blocks has its Mat in the *_q field instead, fp32 only),
 // its sliding window (0: none), which of the step's two RoPE tables it takes (Gemma 3: local or global), its KV
 // layer group (engine/kv/layout.py: the slots and block tables it uses) and its page of a block (its K (V) cache
 // starts page * cache_layer elements in)
 struct Weights {
     const void *qkv_w, *qkv_b, *o_w, *o_b, *gate_up_w, *gate_up_b, *down_w, *down_b, *input_norm, *post_norm,
-        *q_norm, *k_norm, *attn_out_norm, *mlp_out_norm;
+        *q_norm, *k_norm, *attn_out_norm, *mlp_out_norm, *qkv_q, *o_q, *gate_up_q, *down_q;
     int64_t window, rope, group, page;
 };
 
@@ -95,31 +109,31 @@ static void run(const Weights* layers, const Dims* d, T* x, int64_t m, const T* 
     mid.resize(m * d->hidden), gate_up.resize(m * 2 * d->intermediate);
     for (int64_t l = 0; l < d->layers; l++) {
         const Weights& w = layers[l];
-        fused(x, m, (const T*)w.qkv_w, (const T*)w.qkv_b, qkv.data(), qkv_n, d->hidden, threads,
-              (const T*)w.input_norm, d->eps, gemma * GEMMA_NORM, (const T*)nullptr);
+        project(w.qkv_q, x, m, w.qkv_w, w.qkv_b, qkv.data(), qkv_n, d->hidden, threads, w.input_norm, d->eps,
+                gemma * GEMMA_NORM, (const T*)nullptr);
         if (w.q_norm != nullptr) {
             heads(qkv.data(), (const T*)w.q_norm, d->eps, m, d->heads, qkv_n, hd, gemma);
             heads(qkv.data() + q_n, (const T*)w.k_norm, d->eps, m, d->kv_heads, qkv_n, hd, gemma);
         }
         rope(qkv.data(), cos[w.rope], ssin[w.rope], m, d->heads + d->kv_heads, qkv_n, hd);
         attend(qkv.data(), qkv_n, k_cache + w.page * d->cache_layer, v_cache + w.page * d->cache_layer,
-               slots + w.group * m, tables + w.group * m * width, width, lens, m, d->heads, d->kv_heads, hd, d->block_size, d->scale, w.window, att.data(), threads);
+               slots + w.group * m, tables + w.group * m * width, width, lens, m, d->heads, d->kv_heads, hd,
+               d->block_size, d->scale, w.window, att.data(), threads);
         if (w.attn_out_norm == nullptr) {        // mid = x + o_proj(att)
-            fused(att.data(), m, (const T*)w.o_w, (const T*)w.o_b, mid.data(), d->hidden, q_n, threads,
-                  (const T*)nullptr, 0.f, 0, x);
+            project(w.o_q, att.data(), m, w.o_w, w.o_b, mid.data(), d->hidden, q_n, threads, nullptr, 0.f, 0, x);
         } else {                                 // mid = x + norm(o_proj(att))
-            fused(att.data(), m, (const T*)w.o_w, (const T*)w.o_b, out.data(), d->hidden, q_n, threads,
-                  (const T*)nullptr, 0.f, 0, (const T*)nullptr);
+            project(w.o_q, att.data(), m, w.o_w, w.o_b, out.data(), d->hidden, q_n, threads, nullptr, 0.f, 0,
+                    (const T*)nullptr);
             norm(out.data(), (const T*)w.attn_out_norm, d->eps, mid.data(), m, d->hidden, gemma, x);
         }
-        fused(mid.data(), m, (const T*)w.gate_up_w, (const T*)w.gate_up_b, gate_up.data(), 2 * d->intermediate,
-              d->hidden, threads, (const T*)w.post_norm, d->eps, gemma * GEMMA_NORM, (const T*)nullptr);
+        project(w.gate_up_q, mid.data(), m, w.gate_up_w, w.gate_up_b, gate_up.data(), 2 * d->intermediate,
+                d->hidden, threads, w.post_norm, d->eps, gemma * GEMMA_NORM, (const T*)nullptr);
         if (w.mlp_out_norm == nullptr) {         // x = mid + down(act(gate) * up)
-            fused(gate_up.data(), m, (const T*)w.down_w, (const T*)w.down_b, x, d->hidden, d->intermediate, threads,
-                  (const T*)nullptr, 0.f, act, mid.data());
+            project(w.down_q, gate_up.data(), m, w.down_w, w.down_b, x, d->hidden, d->intermediate, threads,
+                    nullptr, 0.f, act, mid.data());
         } else {                                 // x = mid + norm(down(act(gate) * up))
-            fused(gate_up.data(), m, (const T*)w.down_w, (const T*)w.down_b, out.data(), d->hidden,
-                  d->intermediate, threads, (const T*)nullptr, 0.f, act, (const T*)nullptr);
+            project(w.down_q, gate_up.data(), m, w.down_w, w.down_b, out.data(), d->hidden, d->intermediate,
+                    threads, nullptr, 0.f, act, (const T*)nullptr);
             norm(out.data(), (const T*)w.mlp_out_norm, d->eps, x, m, d->hidden, gemma, mid.data());
         }
     }

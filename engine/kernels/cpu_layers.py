@@ -28,7 +28,7 @@ class Paged(NamedTuple):
 
 
 POINTERS = ("qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b", "down_w", "down_b", "input_norm", "post_norm",
-            "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")
+            "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm", "qkv_q", "o_q", "gate_up_q", "down_q")
 
 
 class Weights(ctypes.Structure):
@@ -46,13 +46,23 @@ def _ptr(t) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+def _float(proj) -> int:
+    return _ptr(proj.weight) if isinstance(proj.weight, torch.Tensor) else 0
+
+
+def _blocks(proj) -> int:
+    """A projection's Mat (models/quant.QLinear: weights in blocks), else null."""
+    return 0 if isinstance(proj.weight, torch.Tensor) else ctypes.addressof(proj.mat())
+
+
 def _weights(layer, window: int, rope: int, group: int, page: int) -> Weights:
     norm = lambda m: None if m is None else m.weight            # noqa: E731
-    return Weights(_ptr(layer.qkv.weight), _ptr(layer.qkv.bias), _ptr(layer.o_proj.weight), _ptr(layer.o_proj.bias),
-                   _ptr(layer.gate_up.weight), _ptr(layer.gate_up.bias), _ptr(layer.down.weight),
+    projs = (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+    return Weights(_float(layer.qkv), _ptr(layer.qkv.bias), _float(layer.o_proj), _ptr(layer.o_proj.bias),
+                   _float(layer.gate_up), _ptr(layer.gate_up.bias), _float(layer.down),
                    _ptr(layer.down.bias), _ptr(layer.input_norm.weight), _ptr(layer.post_norm.weight),
                    _ptr(norm(layer.q_norm)), _ptr(norm(layer.k_norm)), _ptr(norm(layer.attn_out_norm)),
-                   _ptr(norm(layer.mlp_out_norm)), window, rope, group, page)
+                   _ptr(norm(layer.mlp_out_norm)), *(_blocks(p) for p in projs), window, rope, group, page)
 
 
 class CpuLayers:

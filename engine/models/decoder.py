@@ -199,7 +199,7 @@ class Decoder(nn.Module):
         return [made[i] for i in self.rope_of]
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
-        x = F.embedding(ids, self.embed.weight)
+        x = self.embed.forward(ids)
         scale = self.embed_scale(x.dtype)
         if scale is not None:
             x = x * scale
@@ -216,7 +216,9 @@ class Decoder(nn.Module):
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.head_gemv is not None and hidden.shape[0] <= self.head_gemv.max_rows:
+        if isinstance(self.head_weight, nn.Module):           # blocks (models/quant.py)
+            out = self.head_weight.forward(hidden)
+        elif self.head_gemv is not None and hidden.shape[0] <= self.head_gemv.max_rows:
             out = self.head_gemv(hidden, self.head_weight).float()
         else:
             out = F.linear(hidden, self.head_weight).float()
@@ -228,7 +230,8 @@ class Decoder(nn.Module):
         for mod in self.modules():
             if isinstance(mod, Linear):
                 mod.gemv = gemv if gemv is not None and gemv.fits(mod.weight) else None
-        self.head_gemv = gemv if gemv is not None and gemv.fits(self.head_weight) else None
+        head = self.head_weight
+        self.head_gemv = gemv if gemv is not None and isinstance(head, torch.Tensor) and gemv.fits(head) else None
 
     def use_kernels(self, gemv, pointwise, stack=None) -> None:
         """Decode's layers (fp32 or bf16) through the fused C calls and the final norm through `pointwise`

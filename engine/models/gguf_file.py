@@ -9,7 +9,8 @@ undone, as transformers undoes them: the `llama` architecture's q/k rows were pe
 norm weights were stored as 1 + w. Llama 3's RoPE scaling, stored as the `rope_freqs` tensor, is applied as
 llama.cpp applies it (transformers' loader drops it).
 
-Block-quantized tensors are dequantized at load for now (`gguf.dequantize`): the quantized kernels are #34's next part.
+Block-quantized tensors stay in their blocks where the CPU kernels read them (models/quant.py), else they are
+dequantized at load (`gguf.dequantize`). A tensor of any other type is refused by name before any weight loads.
 """
 from __future__ import annotations
 
@@ -21,7 +22,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.kernels import cpu_quant
+from engine.models.quant import Blocks
+
 ARCHITECTURES = ("gemma3", "llama", "qwen2", "qwen3")     # general.architecture values the decoder covers
+TYPES = tuple(cpu_quant.TYPES)                             # tensor types read (kept as blocks on a CPU)
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
           "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
@@ -77,6 +82,10 @@ def hf_config(path: str | Path) -> dict:
     if arch == "llama" and "sliding_window" in found:
         model_type = "mistral"
     tensors = {t.name: t for t in _reader(path).tensors}
+    for t in tensors.values():
+        if t.tensor_type.name not in TYPES:
+            raise ValueError(f"model: tensor {t.name} is {t.tensor_type.name}, which is not supported (supported: "
+                             f"{', '.join(TYPES)})")
     found["vocab_size"] = int(tensors["token_embd.weight"].shape[1])
     found["tie_word_embeddings"] = "output.weight" not in names
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -121,8 +130,14 @@ def _reader(path: Path):
     return GGUFReader(str(path))
 
 
-def tensors(path: str | Path, cfg) -> Iterator[tuple[str, torch.Tensor]]:
-    """The file's tensors as float tensors under their Hugging Face names (`cfg`: its ModelConfig)."""
+def quantized(path: str | Path) -> bool:
+    """Whether any tensor of the file is in blocks (not F32, F16 or BF16)."""
+    return any(t.tensor_type.name not in ("F32", "F16", "BF16") for t in _reader(Path(path)).tensors)
+
+
+def tensors(path: str | Path, cfg, keep: bool = False) -> Iterator[tuple[str, torch.Tensor | Blocks]]:
+    """The file's tensors under their Hugging Face names (`cfg`: its ModelConfig): float tensors, or with `keep` the
+    block-quantized ones as Blocks."""
     from gguf import GGMLQuantizationType, dequantize
     path = Path(path)
     arch = architecture(metadata(path)[0])
@@ -134,13 +149,20 @@ def tensors(path: str | Path, cfg) -> Iterator[tuple[str, torch.Tensor]]:
             name = f"model.layers.{m[1]}.{names[m[2]]}.{m[3]}"
         else:
             continue                      # rope_freqs (read with the config) and the like
+        shape = [int(n) for n in reversed(t.shape)]
+        if keep and t.tensor_type.name not in ("F32", "F16", "BF16"):
+            data = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(shape[0], -1)
+            if arch == "llama" and m and m[2] in ("attn_q", "attn_k"):
+                data = _unpermute(data, cfg.num_attention_heads if m[2] == "attn_q" else cfg.num_key_value_heads)
+            yield name, Blocks(int(t.tensor_type), data, shape[1])
+            continue
         if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             array = np.asarray(t.data, dtype=np.float32)
         elif t.tensor_type == GGMLQuantizationType.BF16:
             array = (np.asarray(t.data).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
         else:                             # blocks: dequantized for now
             array = dequantize(t.data, t.tensor_type)
-        weight = torch.from_numpy(np.array(array, dtype=np.float32).reshape([int(n) for n in reversed(t.shape)]))
+        weight = torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape))
         if arch == "llama" and m and m[2] in ("attn_q", "attn_k"):         # weights and biases
             weight = _unpermute(weight, cfg.num_attention_heads if m[2] == "attn_q" else cfg.num_key_value_heads)
         if arch == "gemma3" and t.name.endswith("norm.weight"):

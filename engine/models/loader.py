@@ -9,9 +9,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.models import gguf_file, hugepages
+from engine.kernels import cpu_quant
+from engine.models import gguf_file, hugepages, quant
 from engine.models.config import ModelConfig
 from engine.models.decoder import Decoder, ropes
+from engine.models.quant import Blocks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -55,14 +57,15 @@ def safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_state(path: Path, dtype: torch.dtype, gemma: bool = False,
-               tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
-    """Our parameter names from the checkpoint's (`tensors`: Hugging Face names and tensors; by default the
-    directory's safetensors), with q/k/v and gate/up fused."""
+               tensors: Iterable[tuple[str, torch.Tensor | Blocks]] | None = None) -> dict:
+    """Our parameter names from the checkpoint's (`tensors`: Hugging Face names and tensors or Blocks; by default
+    the directory's safetensors), with q/k/v and gate/up fused (into a list of Blocks where a part is blocks)."""
     rename = _GEMMA if gemma else _RENAME
     state: dict[str, torch.Tensor] = {}
     parts: dict[str, dict[int, torch.Tensor]] = {}
     for name, tensor in safetensors(path) if tensors is None else tensors:
-        tensor = tensor.to(dtype)
+        if not isinstance(tensor, Blocks):
+            tensor = tensor.to(dtype)
         if name == "model.embed_tokens.weight":
             state["embed.weight"] = tensor
         elif name == "model.norm.weight":
@@ -78,23 +81,34 @@ def load_state(path: Path, dtype: torch.dtype, gemma: bool = False,
             elif rest in rename:
                 state[f"layers.{layer}.{rename[rest]}"] = tensor
     for name, pieces in parts.items():
-        state[name] = torch.cat([pieces[i] for i in sorted(pieces)], dim=0)
+        ordered = [pieces[i] for i in sorted(pieces)]
+        if any(isinstance(p, Blocks) for p in ordered):
+            state[name] = [p if isinstance(p, Blocks) else Blocks.of(p) for p in ordered]
+        else:
+            state[name] = torch.cat(ordered, dim=0)
     return state
 
 
 def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu") -> Decoder:
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
-    torch_dtype = resolve_dtype(dtype, cfg)
-    state = load_state(path, torch_dtype, cfg.gemma_norms, gguf_file.tensors(path, cfg) if path.suffix == ".gguf"
-                       else None)
+    kernel = cpu_quant.load() if device == "cpu" else None
+    gguf = path.suffix == ".gguf"
+    # a quantized file on a CPU with the block kernels computes in fp32 from its blocks; elsewhere (or asked for
+    # bf16 / fp16) it is dequantized into the model dtype
+    keep = gguf and kernel is not None and dtype in ("auto", "float32") and gguf_file.quantized(path)
+    torch_dtype = torch.float32 if keep else resolve_dtype(dtype, cfg)
+    state = load_state(path, torch_dtype, cfg.gemma_norms, gguf_file.tensors(path, cfg, keep) if gguf else None)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     elif "lm_head.weight" not in state:
         raise ValueError(f"model: {path} has untied embeddings but no lm_head.weight")
     with torch.device("meta"):
         model = Decoder(cfg)
+    blocks = {name: state.pop(name) for name in [n for n, v in state.items() if not isinstance(v, torch.Tensor)]}
     model.load_state_dict(state, strict=False, assign=True)
+    for name, parts in blocks.items():
+        quant.install(model, name, parts if isinstance(parts, list) else [parts], kernel)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ValueError(f"model: {path} lacks weights for {missing[:4]}")

@@ -1,0 +1,58 @@
+"""The GEMV over GGUF's blocks (cpu_quant.cpp), called through ctypes: fp32 rows times a weight kept in llama.cpp's
+block formats, and those blocks dequantized to fp32 (an embedding's rows; prefill's GEMM, a slice at a time)."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from engine.kernels import cpu_build
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+# GGML's type ids the kernels read, by name; each with (weights, bytes) a block
+TYPES = {"F32": 0, "F16": 1, "BF16": 30, "Q8_0": 8, "Q4_0": 2, "Q5_0": 6, "Q4_K": 12, "Q6_K": 14}
+BLOCKS = {0: (32, 128), 1: (32, 64), 30: (32, 64), 8: (32, 34), 2: (32, 18), 6: (32, 22), 12: (256, 144),
+          14: (256, 210)}
+
+
+class Part(ctypes.Structure):
+    _fields_ = [("data", _P), ("type", _I), ("rows", _I), ("row_bytes", _I)]
+
+
+class Mat(ctypes.Structure):
+    _fields_ = [("parts", _I), ("part", Part * 3)]
+
+
+class CpuQuant:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.fused_fn = cpu_build.bind(lib, "qgemv_fused", [_P, _I, _P, _P, _P, _I, _I, ctypes.c_int, _P,
+                                                             ctypes.c_float, ctypes.c_int, _P])
+        self.dequant_fn = cpu_build.bind(lib, "qdequant", [_P, _I, _I, _I, _P, ctypes.c_int])
+        self.rows_fn = cpu_build.bind(lib, "qrows", [_P, _P, _I, _I, _P])
+
+    def fused(self, x: torch.Tensor, mat: Mat, n: int, bias: torch.Tensor | None, norm_ptr: int | None, eps: float,
+              mode: int, residual: torch.Tensor | None) -> torch.Tensor:
+        """y [m, n] = x [m, k] (fp32, contiguous) through cpu_gemv's fused input (mode, norm) times the blocks."""
+        y = torch.empty((x.shape[0], n), dtype=torch.float32)
+        k = x.shape[1] // 2 if mode & 3 and norm_ptr is None else x.shape[1]
+        self.fused_fn(x.data_ptr(), x.shape[0], ctypes.byref(mat), None if bias is None else bias.data_ptr(),
+                      y.data_ptr(), n, k, torch.get_num_threads(), norm_ptr, eps, mode,
+                      None if residual is None else residual.data_ptr())
+        return y
+
+    def dequant(self, mat: Mat, first: int, rows: int, k: int) -> torch.Tensor:
+        out = torch.empty((rows, k), dtype=torch.float32)
+        self.dequant_fn(ctypes.byref(mat), first, rows, k, out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def rows(self, mat: Mat, ids: torch.Tensor, k: int) -> torch.Tensor:
+        ids = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty((ids.shape[0], k), dtype=torch.float32)
+        self.rows_fn(ctypes.byref(mat), ids.data_ptr(), ids.shape[0], k, out.data_ptr())
+        return out
+
+
+def load() -> CpuQuant | None:
+    """The kernels on an x86 CPU with AVX2, FMA and F16C, or None (turned off, other CPU, no compiler)."""
+    lib = cpu_build.library()
+    return None if lib is None else CpuQuant(lib)

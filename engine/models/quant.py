@@ -1,0 +1,115 @@
+"""Weights kept in GGUF's block formats (llama.cpp's Q8_0, Q4_0, Q5_0, Q4_K, Q6_K; F32, F16 and BF16 beside them):
+one more kind of linear layer, and an embedding that reads its rows from the same blocks.
+
+A projection's weight is one uint8 parameter holding its parts' blocks one after another (a fused projection may
+stack parts of different types: Q4_K_M keeps v in Q6_K beside q and k in Q4_K), so the huge-page packing moves it
+like any other weight. Decode's few rows multiply the blocks directly (kernels/cpu_quant.cpp); prefill's many rows
+dequantize a slice of the weight at a time into fp32 and multiply with torch's GEMM. Activations are fp32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.kernels import cpu_quant
+from engine.kernels.cpu_gemv import ACTS, GEMMA_NORM, MAX_ROWS
+
+SLICE_BYTES = 8 << 20     # prefill: the fp32 slice of a weight dequantized per GEMM
+
+
+@dataclass(slots=True)
+class Blocks:
+    """One tensor as the file holds it: GGML type id, bytes [rows, row_bytes], k weights a row."""
+    type: int
+    data: torch.Tensor
+    k: int
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+    @staticmethod
+    def of(weight: torch.Tensor) -> Blocks:
+        """A float tensor as F32 blocks (beside quantized parts of the same projection)."""
+        w = weight.detach().to(torch.float32).contiguous()
+        return Blocks(cpu_quant.TYPES["F32"], w.view(torch.uint8).reshape(w.shape[0], -1), w.shape[1])
+
+
+class QLinear(nn.Module):
+    """y = x @ w.T + bias, w [n, k] in blocks. It is its own `weight` (shape, dtype), so code that passes a
+    projection's weight to a GEMV passes it."""
+
+    def __init__(self, parts: list[Blocks], bias: torch.Tensor | None, kernel: cpu_quant.CpuQuant) -> None:
+        super().__init__()
+        if len(parts) > 3:
+            raise ValueError("model: a projection of more than three parts")
+        self.kinds = [(p.type, p.rows, p.data.shape[1]) for p in parts]
+        self.blocks = nn.Parameter(torch.cat([p.data.reshape(-1) for p in parts]), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        self.shape = torch.Size((sum(p.rows for p in parts), parts[0].k))
+        self.kernel = kernel
+        self._mat: tuple[int, cpu_quant.Mat] | None = None
+
+    weight = property(lambda self: self)
+    dtype = torch.float32
+
+    def mat(self) -> cpu_quant.Mat:
+        """The C description of the parts, remade when the bytes move (hugepages.pack)."""
+        base = self.blocks.data_ptr()
+        if self._mat is None or self._mat[0] != base:
+            mat, offset = cpu_quant.Mat(len(self.kinds)), 0
+            for i, (kind, rows, row_bytes) in enumerate(self.kinds):
+                mat.part[i] = cpu_quant.Part(base + offset, kind, rows, row_bytes)
+                offset += rows * row_bytes
+            self._mat = (base, mat)
+        return self._mat[1]
+
+    def fused(self, x: torch.Tensor, bias: torch.Tensor | None = None, *, norm=None, act: str | None = None,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
+        """As CpuGemv.fused: of norm(x) or act(gate) * up, plus residual; for a decode step's rows."""
+        mode = ACTS[act] | (GEMMA_NORM if norm is not None and norm.gemma else 0)
+        return self.kernel.fused(x.contiguous(), self.mat(), self.shape[0], bias,
+                                 None if norm is None else norm.weight.data_ptr(), 0.0 if norm is None else norm.eps,
+                                 mode, None if residual is None else residual.contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= MAX_ROWS:
+            return self.fused(x, self.bias)
+        n, k = self.shape
+        step = max(1, SLICE_BYTES // (4 * k))
+        out = torch.empty((x.shape[0], n), dtype=torch.float32)
+        for first in range(0, n, step):
+            rows = min(step, n - first)
+            out[:, first:first + rows] = x @ self.kernel.dequant(self.mat(), first, rows, k).T
+        return out if self.bias is None else out.add_(self.bias)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of w in fp32, [*ids.shape, k] (an embedding's lookup)."""
+        return self.kernel.rows(self.mat(), ids, self.shape[1]).view(*ids.shape, self.shape[1])
+
+
+class QEmbedding(nn.Module):
+    """nn.Embedding over blocks; `weight` is the QLinear a tied head multiplies with."""
+
+    def __init__(self, table: QLinear) -> None:
+        super().__init__()
+        self.table = table
+
+    weight = property(lambda self: self.table)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(ids)
+
+
+def install(model: nn.Module, name: str, parts: list[Blocks], kernel: cpu_quant.CpuQuant) -> None:
+    """Put the blocks of parameter `name` (a Linear's or the Embedding's weight) in place of that module."""
+    path, _, _ = name.rpartition(".")
+    parent, _, child = path.rpartition(".")
+    owner = model.get_submodule(parent) if parent else model
+    old = getattr(owner, child)
+    if isinstance(old, nn.Embedding):
+        setattr(owner, child, QEmbedding(QLinear(parts, None, kernel)))
+    else:
+        setattr(owner, child, QLinear(parts, old.bias, kernel))

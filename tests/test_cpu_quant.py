@@ -1,0 +1,98 @@
+"""The block kernels (kernels/cpu_quant.cpp) against gguf-py's own dequantization followed by a float matmul, per
+block type and per ISA build: dequantized rows equal gguf.quants.dequantize, and the GEMV (a decode step's rows,
+with its fused norm, activation, bias and residual) equals the float product within fp32 rounding."""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import cpu_build, cpu_quant
+from engine.models.quant import Blocks, QLinear
+
+gguf = pytest.importorskip("gguf")
+TARGETS = [t for t in ("avx2", "avx512") if t == "avx2" or cpu_build.isa() == "avx512"]
+
+
+def kernel(target: str) -> cpu_quant.CpuQuant:
+    lib = cpu_build.library(target)
+    if lib is None:
+        pytest.skip("no CPU kernels here (not x86 with AVX2, or no compiler)")
+    return cpu_quant.CpuQuant(lib)
+
+
+def blocks(kind: str, rows: int, k: int, seed: int) -> Blocks:
+    """`rows` x `k` random weights in `kind`: quantized by gguf-py where it can, else random block bytes with
+    finite scales (gguf-py has no K-quant quantizer)."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, k)).astype(np.float32)
+    qt = gguf.GGMLQuantizationType[kind]
+    if kind == "F32":
+        raw = w.view(np.uint8)
+    elif kind == "F16":
+        raw = w.astype(np.float16).view(np.uint8)
+    elif kind in ("BF16", "Q8_0", "Q4_0", "Q5_0"):
+        raw = gguf.quantize(w, qt)
+    else:
+        size, nbytes = gguf.GGML_QUANT_SIZES[qt]
+        raw = rng.integers(0, 256, (rows, k // size, nbytes), dtype=np.uint8)
+        scales = rng.uniform(0.001, 0.05, (rows, k // size, 2)).astype(np.float16).view(np.uint8)
+        if kind == "Q4_K":                        # d and dmin first
+            raw[..., 0:4] = scales
+        else:                                     # Q6_K: d last
+            raw[..., 208:210] = scales[..., 0:2]
+        raw = raw.reshape(rows, -1)
+    return Blocks(int(qt), torch.from_numpy(np.ascontiguousarray(raw).reshape(rows, -1)), k)
+
+
+def dense(b: Blocks) -> torch.Tensor:
+    return torch.from_numpy(gguf.dequantize(b.data.numpy(), gguf.GGMLQuantizationType(b.type)).astype(np.float32)
+                            ).reshape(b.rows, b.k)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("kind", list(cpu_quant.TYPES))
+def test_rows_dequantize_as_gguf_does(kind, target):
+    b = blocks(kind, 9, 512, seed=1)
+    q = QLinear([b], None, kernel(target))
+    assert torch.equal(q.kernel.dequant(q.mat(), 0, 9, 512), dense(b))
+    ids = torch.tensor([[8, 0], [3, 3]])
+    assert torch.equal(q.rows(ids), dense(b)[ids])
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("kind", list(cpu_quant.TYPES))
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_the_gemv_is_the_float_product_of_the_dequantized_blocks(kind, m, target):
+    b = blocks(kind, 37, 512, seed=2)
+    bias = torch.randn(37)
+    q = QLinear([b], bias, kernel(target))
+    x = torch.randn(m, 512)
+    w = dense(b).double()
+    want = x.double() @ w.T + bias.double()
+    # within fp32 summation's bound: k ulps of the sum of |terms| (any order of summation meets it)
+    bound = 512 * 2.0 ** -24 * (x.double().abs() @ w.abs().T + bias.double().abs())
+    assert ((q.forward(x).double() - want).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_fused_projection_of_mixed_types_with_its_norm_activation_and_residual(target):
+    parts = [blocks("Q4_K", 12, 256, 3), blocks("Q6_K", 6, 256, 4), blocks("Q8_0", 6, 256, 5)]
+    q = QLinear(parts, None, kernel(target))
+    w = torch.cat([dense(p) for p in parts])
+
+    class Norm:
+        weight, eps, gemma = torch.randn(256), 1e-6, False
+    x, res = torch.randn(5, 256), torch.randn(5, 24)
+    got = q.fused(x, norm=Norm, residual=res)
+    torch.testing.assert_close(got, F.rms_norm(x, (256,), Norm.weight, 1e-6) @ w.T + res, rtol=1e-4, atol=1e-4)
+    gate_up = torch.randn(2, 512)
+    got = q.fused(gate_up, act="silu")
+    gate, up = gate_up.chunk(2, -1)
+    torch.testing.assert_close(got, (F.silu(gate) * up) @ w.T, rtol=1e-4, atol=1e-4)
+    big = torch.randn(40, 256)                    # prefill: dequantized slices through torch's GEMM
+    torch.testing.assert_close(q.forward(big), big @ w.T, rtol=1e-4, atol=1e-4)
+    assert q.shape == (24, 256) and ctypes.addressof(q.mat()) == ctypes.addressof(q.mat())
