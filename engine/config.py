@@ -32,6 +32,9 @@ class EngineConfig:
     device: str = option("auto", "torch device", ("auto", "cpu", "cuda"))
     dtype: str = option("auto", "weights and KV dtype; auto follows the checkpoint",
                         ("auto", "float32", "bfloat16", "float16"))
+    quantization: str = option("none", "torch runner on a CPU: quantize a safetensors model's linear weights at load "
+                               "into GGUF's blocks (q8_0; q4_0 with the embedding and head in q8_0) and decode from "
+                               "them (vLLM's name)", ("none", "q8_0", "q4_0"))
     max_batch_size: int = option(4, "requests decoded together", low=1)
     kv_storage: str = option("auto", "KV layout; auto is paged iff max_batch_size > 1", ("auto", "paged", "dense"))
     block_size: int = option(32, "tokens per KV block (paged)", low=1)
@@ -76,6 +79,8 @@ class EngineConfig:
                                    "the window, up to 8 s", low=0)
 
     def __post_init__(self) -> None:
+        if self.quantization is None:         # vLLM's default
+            self.quantization = "none"
         validate(self)
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 <= util <= 1:
@@ -86,6 +91,11 @@ class EngineConfig:
         if self.max_logprobs > 20:
             raise ValueError(f"max_logprobs: this server returns at most 20 logprobs a position, got "
                              f"{self.max_logprobs}")
+        if self.quantization != "none" and self.runner != "torch":
+            raise ValueError(f"quantization: {self.quantization} needs the torch runner, got runner {self.runner!r}")
+        if self.quantization != "none" and str(self.model or "").endswith(".gguf"):
+            raise ValueError(f"quantization: {self.quantization} quantizes a safetensors model; a GGUF file keeps "
+                             "its own blocks")
         if self.compile and self.runner != "torch":
             raise ValueError(f"compile: only the torch runner compiles, got runner {self.runner!r}")
         if self.kv_events and (not self.paged or not self.prompt_cache):
@@ -143,6 +153,8 @@ class ServeConfig:
     max_body_bytes: int = option(8 << 20, "refuse larger request bodies with 413", low=1)
 
     def __post_init__(self) -> None:
+        if self.quantization is None:         # vLLM's default
+            self.quantization = "none"
         validate(self)
 
 

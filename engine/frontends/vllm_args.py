@@ -50,7 +50,6 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "tensor_parallel_size": ((1,), "one replica runs on one device; scale out with replicas behind vllm-router"),
     "pipeline_parallel_size": ((1,), "one replica runs on one device"),
     "data_parallel_size": ((1,), "one replica runs on one device; scale out with replicas behind vllm-router"),
-    "quantization": ((None,), "this server loads float weights only"),
     "kv_cache_dtype": (("auto",), "the KV cache holds the weights' dtype"),
     "speculative_config": ((None, {}), "speculative decoding is not built yet"),
     "enable_lora": ((False,), "LoRA adapters are not supported"),
@@ -96,6 +95,9 @@ def engine_values(args: dict[str, Any]) -> dict[str, Any]:
             names = [value] if isinstance(value, str) else list(value or [])
             if names:
                 values["served_model_name"] = names[0]
+        elif key == "quantization":            # "gguf" names what a .gguf model is anyway
+            if value not in (None, "gguf"):
+                values["quantization"] = value
         elif key == "enforce_eager":            # vLLM's eager mode: no CUDA graphs
             if value:
                 values["cuda_graphs"] = "false"

@@ -135,6 +135,11 @@ def quantized(path: str | Path) -> bool:
     return any(t.tensor_type.name not in ("F32", "F16", "BF16") for t in _reader(Path(path)).tensors)
 
 
+def close() -> None:
+    """Let go of the file's mapping (the loader has copied what it keeps)."""
+    _reader.cache_clear()
+
+
 def tensors(path: str | Path, cfg, keep: bool = False) -> Iterator[tuple[str, torch.Tensor | Blocks]]:
     """The file's tensors under their Hugging Face names (`cfg`: its ModelConfig): float tensors, or with `keep` the
     block-quantized ones as Blocks."""

@@ -89,16 +89,36 @@ def load_state(path: Path, dtype: torch.dtype, gemma: bool = False,
     return state
 
 
-def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu") -> Decoder:
+def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", quantization: str = "none") -> Decoder:
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     kernel = cpu_quant.load() if device == "cpu" else None
     gguf = path.suffix == ".gguf"
+    if quantization != "none":
+        return _quantized(path, cfg, dtype, quantization, kernel)
     # a quantized file on a CPU with the block kernels computes in fp32 from its blocks; elsewhere (or asked for
     # bf16 / fp16) it is dequantized into the model dtype
     keep = gguf and kernel is not None and dtype in ("auto", "float32") and gguf_file.quantized(path)
     torch_dtype = torch.float32 if keep else resolve_dtype(dtype, cfg)
-    state = load_state(path, torch_dtype, cfg.gemma_norms, gguf_file.tensors(path, cfg, keep) if gguf else None)
+    tensors = gguf_file.tensors(path, cfg, keep) if gguf else None
+    model = _build(path, cfg, load_state(path, torch_dtype, cfg.gemma_norms, tensors), kernel, device)
+    if gguf:
+        gguf_file.close()
+    return model
+
+
+def _quantized(path: Path, cfg: ModelConfig, dtype: str, kind: str, kernel) -> Decoder:
+    """A safetensors model with its projections quantized into `kind` blocks (the embedding and head in Q8_0)."""
+    if kernel is None:
+        raise ValueError(f"quantization: {kind} runs on the CPU block kernels, which are not available here (a CUDA "
+                         "device, another CPU, or PAGODA_CPU_KERNELS=0)")
+    if dtype not in ("auto", "float32"):
+        raise ValueError(f"quantization: {kind} computes in float32, got dtype {dtype}")
+    state = load_state(path, torch.float32, cfg.gemma_norms, quant.quantized(safetensors(path), kind))
+    return _build(path, cfg, state, kernel, "cpu")
+
+
+def _build(path: Path, cfg: ModelConfig, state: dict, kernel, device: str) -> Decoder:
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     elif "lm_head.weight" not in state:

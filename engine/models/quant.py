@@ -8,6 +8,7 @@ dequantize a slice of the weight at a time into fp32 and multiply with torch's G
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,26 @@ class QEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.table.rows(ids)
+
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantized(tensors: Iterable[tuple[str, torch.Tensor]], kind: str) -> Iterator[tuple[str, torch.Tensor | Blocks]]:
+    """A Hugging Face checkpoint's tensors with its projections' weights quantized into `kind` (q8_0 | q4_0) by
+    gguf-py (llama.cpp's reference quantizers), the embedding and head into Q8_0; a weight whose rows are not whole
+    blocks stays float, as llama.cpp leaves it."""
+    import gguf
+    for name, tensor in tensors:
+        stem = name.rsplit(".", 2)
+        head = name in ("model.embed_tokens.weight", "lm_head.weight")
+        if tensor.ndim == 2 and tensor.shape[1] % 32 == 0 and (head or (stem[-1] == "weight" and
+                                                                          stem[-2] in _PROJECTIONS)):
+            qt = gguf.GGMLQuantizationType.Q8_0 if head else gguf.GGMLQuantizationType[kind.upper()]
+            raw = gguf.quantize(tensor.float().numpy(), qt)
+            yield name, Blocks(int(qt), torch.from_numpy(raw), tensor.shape[1])
+        else:
+            yield name, tensor
 
 
 def install(model: nn.Module, name: str, parts: list[Blocks], kernel: cpu_quant.CpuQuant) -> None:

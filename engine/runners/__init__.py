@@ -12,7 +12,8 @@ def make_runner(config: "EngineConfig", model_dir: str) -> "ModelRunner":
     if config.runner == "torch":
         from engine.runners.torch.runner import TorchRunner
         return TorchRunner(model_dir, config.dtype, config.device, config.num_threads, config.attention,
-                           config.compile, config.cuda_graphs, config.max_batch_size, config.sampling_seed)
+                           config.compile, config.cuda_graphs, config.max_batch_size, config.sampling_seed,
+                           config.quantization)
     if config.runner == "mlx":
         try:
             from engine.runners.mlx.runner import MLXRunner
