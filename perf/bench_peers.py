@@ -15,7 +15,9 @@
 7. llama.cpp (llama-cpp-python, built here on first use: perf/llama_peer.py) on the same checkpoint converted by its
    own convert_hf_to_gguf.py, same threads: fp32 and bf16 decode after a 64-token prompt, and prefill of a
    512-token prompt (tokens / TTFT). Left out, with the reason, where it cannot be built.
-8. every other family at its real geometry, bf16 decode, vs transformers and llama.cpp (perf/bench_families.py)
+8. GGUF files: Q8_0 and Q4_K_M made from qwen2.5-0.5b by llama.cpp's own converter and quantizer, and the
+   registry's real Gemma 3 270M Q4_K_M, both engines reading the same file: decode and 512-token prefill
+9. every other family at its real geometry, bf16 decode, vs transformers and llama.cpp (perf/bench_families.py)
 Rates are medians of repeats interleaved in ABBA order; a ratio is the median of the per-pair ratios, so drift
 between pairs on a shared machine cancels. Decode tok/s = (tokens - 1) / (t_last - t_first).
 """
@@ -35,6 +37,7 @@ import torch
 from engine.config import EngineConfig
 from engine.core.engine import Engine
 from engine.core.sampling import SamplingParams
+from engine.kernels import cpu_build
 from engine.models import hugepages
 from engine.models.presets import cached_model
 from perf import bench_families, llama_peer
@@ -50,6 +53,7 @@ GOALS = {
     "triton small": 0.90, "triton big": 0.90,
     "mlx-lm": 1.0,
     "llama.cpp fp32": 1.1, "llama.cpp bf16": 1.0, "llama.cpp prefill": 1.0,
+    "gguf decode": 1.1, "gguf prefill": 1.0,
 }
 
 
@@ -151,6 +155,29 @@ def llama_cpp_rows(preset: str, threads: int, tokens: int, repeats: int) -> list
     return rows
 
 
+def gguf_rows(preset: str, threads: int, tokens: int, repeats: int, kinds=("q8_0", "q4_k_m")) -> list[dict]:
+    """Pagoda / llama.cpp on the same GGUF file, made from the preset by llama.cpp's converter and quantizer (and
+    the registry's real Gemma 3 270M Q4_K_M where it can be had): decode and 512-token prefill. A goal is met when
+    every pair meets it."""
+    tree, why = llama_peer.build()
+    if tree is None:
+        print(f"GGUF rows left out: {why}")
+        return []
+    files = [(f"{preset} {kind}", llama_peer.quantized(tree, cached_model(preset), kind, threads)) for kind in kinds]
+    try:
+        from scripts.gemma3_270m import Unavailable, hf_dir
+        files.append(("gemma-3-270m q4_k_m (real)", next(hf_dir().parent.glob("*.gguf"))))
+    except (ImportError, Unavailable) as e:
+        print(f"real Gemma 3 270M row left out: {e}")
+    rows = []
+    for name, file in files:
+        decode, prefill = llama_peer.compare(tree, Path(file), "auto", threads, tokens, repeats, file=Path(file))
+        size = Path(file).stat().st_size / 2**20
+        rows += [paired_row("GGUF vs llama.cpp", f"{name} ({size:.0f} MiB) decode", decode, "gguf decode", True),
+                 paired_row("GGUF vs llama.cpp", f"{name} 512-token prefill", prefill, "gguf prefill", True)]
+    return rows
+
+
 def row(section: str, what: str, pagoda: float, peer: float, goal: float, unit: str = "tok/s",
         ratio: float | None = None) -> dict:
     if ratio is None:
@@ -159,8 +186,13 @@ def row(section: str, what: str, pagoda: float, peer: float, goal: float, unit: 
             "unit": unit, "met": ratio >= goal}
 
 
-def paired_row(section: str, what: str, pair: Pair, goal: str) -> dict:
-    return row(section, what, pair.pagoda, pair.peer, GOALS[goal], ratio=pair.ratio)
+def paired_row(section: str, what: str, pair: Pair, goal: str, every_pair: bool = False) -> dict:
+    """A row of the median per-pair ratio and its range; met by the median, or with `every_pair` by the least."""
+    r = row(section, what, pair.pagoda, pair.peer, GOALS[goal], ratio=pair.ratio)
+    r.update(low=pair.low, high=pair.high)
+    if every_pair:
+        r["met"] = pair.low >= r["goal"]
+    return r
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -213,6 +245,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                     "mlx-lm")]),
         ("llama.cpp", lambda: llama_cpp_rows("tiny-qwen" if args.quick else "qwen2.5-0.5b", t,
                                              16 if args.quick else 128, 2 if args.quick else 4)),
+        ("gguf", lambda: gguf_rows("tiny-qwen" if args.quick else "qwen2.5-0.5b", t, 16 if args.quick else 128,
+                                   2 if args.quick else 4)),
         ("families", lambda: bench_families.rows(bench_families.QUICK if args.quick else bench_families.PRESETS, t,
                                                  16 if args.quick else 128, 1 if args.quick else 3)),
     ]
@@ -224,14 +258,31 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows += step()
     print(f"\nPagoda vs peers, {time.strftime('%Y-%m-%d')}, torch threads {t}"
           f"{' (quick: smoke only)' if args.quick else ''}")
-    print(table(["section", "what", "pagoda", "peer", "ratio", "goal", "met"],
-                [[r["section"], r["what"], f"{r['pagoda']:.1f}", f"{r['peer']:.1f}", f"{r['ratio']:.2f}",
+    print(f"CPU: {cpu_model()}; Pagoda's kernels built for {cpu_build.isa() or 'none'}")
+    print(table(["section", "what", "pagoda", "peer", "ratio (range)", "goal", "met"],
+                [[r["section"], r["what"], f"{r['pagoda']:.1f}", f"{r['peer']:.1f}", ratio_text(r),
                   f"{r['goal']:.2f}", "yes" if r["met"] else "NO"] for r in rows], left=2))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_peers.json").write_text(json.dumps(rows, indent=2))
     plot(rows, out / "bench_peers.png")
     return rows
+
+
+def ratio_text(r: dict) -> str:
+    low, high = r.get("low", float("nan")), r.get("high", float("nan"))
+    return f"{r['ratio']:.2f}" if low != low else f"{r['ratio']:.2f} ({low:.2f}-{high:.2f})"
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), so figures from different machines are never read as one."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
 
 
 def gemv_ceiling(engine: Engine, repeats: int = 5, linear=None) -> float:

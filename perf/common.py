@@ -53,6 +53,8 @@ class Pair(NamedTuple):
     pagoda: float       # median
     peer: float         # median
     ratio: float        # median of the per-pair ratios: drift between pairs cancels
+    low: float = float("nan")     # the least and the greatest per-pair ratio
+    high: float = float("nan")
 
 
 def ratio_of_pairs(xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -60,7 +62,8 @@ def ratio_of_pairs(xs: Sequence[float], ys: Sequence[float]) -> float:
 
 
 def paired(xs: Sequence[float], ys: Sequence[float]) -> Pair:
-    return Pair(statistics.median(xs), statistics.median(ys), ratio_of_pairs(xs, ys))
+    ratios = [x / y for x, y in zip(xs, ys)]
+    return Pair(statistics.median(xs), statistics.median(ys), statistics.median(ratios), min(ratios), max(ratios))
 
 
 def median_pair(a: Callable[[], float], b: Callable[[], float], repeats: int) -> Pair:

@@ -80,6 +80,27 @@ def gguf(tree: Path, model: Path, dtype: str) -> Path:
     return out
 
 
+# llama.cpp's file types (enum llama_ftype) of the quantizer's presets
+FTYPES = {"q8_0": 7, "q5_0": 8, "q4_k_m": 15}
+_QUANTIZE = """import ctypes, sys
+import llama_cpp
+p = llama_cpp.llama_model_quantize_default_params()
+p.ftype, p.nthread = int(sys.argv[3]), int(sys.argv[4])
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p)))
+"""
+
+
+def quantized(tree: Path, model: Path, kind: str, threads: int = 2) -> Path:
+    """The checkpoint as a GGUF in llama.cpp's `kind` preset (FTYPES): converted to bf16 by its script, then
+    quantized by its own quantizer (llama_model_quantize), once."""
+    out = home() / "gguf" / f"{model.name}-{kind}.gguf"
+    if not out.exists():
+        tmp = out.with_suffix(".partial")
+        _run([python(), "-c", _QUANTIZE, gguf(tree, model, "bfloat16"), tmp, FTYPES[kind], threads])
+        tmp.rename(out)
+    return out
+
+
 class Peer:
     """One GGUF loaded by llama.cpp in a worker process, `threads` threads, greedy."""
 
@@ -108,12 +129,12 @@ class Peer:
 
 
 def compare(tree: Path, model: Path, dtype: str, threads: int, tokens: int, repeats: int,
-            prefill: int = 512) -> tuple[Pair, Pair]:
+            prefill: int = 512, file: Path | None = None) -> tuple[Pair, Pair]:
     """Pagoda in process against llama.cpp on the same checkpoint, dtype and threads, in ABBA order, each side
     given the same prompts in turn (fresh ones, so neither reuses a cached prefix): (decode tok/s after a 64-token
-    prompt, prefill tok/s = prefill / TTFT of a `prefill`-token prompt)."""
-    peer = Peer(gguf(tree, model, dtype), threads, n_ctx=max(prefill, 64 + tokens) + 16)
-    engine = Engine(EngineConfig(model=str(model), dtype=dtype, num_threads=threads))
+    prompt, prefill tok/s = prefill / TTFT of a `prefill`-token prompt). With `file` (a GGUF), both read that file."""
+    peer = Peer(file or gguf(tree, model, dtype), threads, n_ctx=max(prefill, 64 + tokens) + 16)
+    engine = Engine(EngineConfig(model=str(file or model), dtype=dtype, num_threads=threads))
     try:
         greedy_run(engine, prompt_ids(64, seed=1), 8), peer.run(prompt_ids(64, seed=1), 8)        # warm-up
         ours, theirs = itertools.count(10), itertools.count(10)

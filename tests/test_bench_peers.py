@@ -69,7 +69,7 @@ def test_lookahead_row_switches_one_engine(tiny_dir, monkeypatch):
     pair = bench_peers.lookahead("tiny", "torch", 4, 2, 1)
     assert len(engines) == 1
     assert modes == [True, False, True, False, False, True]     # warm-up, then ABBA
-    assert pair == Pair(200.0, 100.0, 2.0)
+    assert pair == Pair(200.0, 100.0, 2.0, 2.0, 2.0)
 
 
 def test_roofline_pairs_each_decode_run_with_its_own_ceilings(tiny_dir, monkeypatch):

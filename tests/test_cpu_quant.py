@@ -63,18 +63,30 @@ def test_rows_dequantize_as_gguf_does(kind, target):
     assert torch.equal(q.rows(ids), dense(b)[ids])
 
 
+def int8(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 path sees it: per 32 values, round(x / d) * d with d = max|x| / 127 (to nearest even)."""
+    blocks = x.reshape(-1, 32)
+    d = blocks.abs().amax(1, keepdim=True) / 127
+    q = torch.round(blocks * torch.where(d > 0, 1 / d, torch.zeros_like(d)))
+    return (q * d).reshape(x.shape)
+
+
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("kind", list(cpu_quant.TYPES))
 @pytest.mark.parametrize("m", [1, 3, 8])
-def test_the_gemv_is_the_float_product_of_the_dequantized_blocks(kind, m, target):
+@pytest.mark.parametrize("acts", ["float32", "int8"])
+def test_the_gemv_is_the_float_product_of_the_dequantized_blocks(kind, m, target, acts):
+    """float32: with x itself; int8: with x rounded per 32 values (the float types always take x itself)."""
     b = blocks(kind, 37, 512, seed=2)
     bias = torch.randn(37)
     q = QLinear([b], bias, kernel(target))
+    q.int8 = acts == "int8"
     x = torch.randn(m, 512)
+    seen = int8(x) if q.int8 and not kind.startswith(("F", "BF")) else x
     w = dense(b).double()
-    want = x.double() @ w.T + bias.double()
+    want = seen.double() @ w.T + bias.double()
     # within fp32 summation's bound: k ulps of the sum of |terms| (any order of summation meets it)
-    bound = 512 * 2.0 ** -24 * (x.double().abs() @ w.abs().T + bias.double().abs())
+    bound = 512 * 2.0 ** -24 * (seen.double().abs() @ w.abs().T + bias.double().abs())
     assert ((q.forward(x).double() - want).abs() <= bound).all()
 
 
@@ -82,6 +94,7 @@ def test_the_gemv_is_the_float_product_of_the_dequantized_blocks(kind, m, target
 def test_a_fused_projection_of_mixed_types_with_its_norm_activation_and_residual(target):
     parts = [blocks("Q4_K", 12, 256, 3), blocks("Q6_K", 6, 256, 4), blocks("Q8_0", 6, 256, 5)]
     q = QLinear(parts, None, kernel(target))
+    q.int8 = False
     w = torch.cat([dense(p) for p in parts])
 
     class Norm:

@@ -21,6 +21,7 @@ OP_MIN_BYTES = 2 << 20  # in a compiled graph: smaller weights stay on inductor'
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}       # the C functions' suffixes
 ACTS = {None: 0, "silu": 1, "gelu_pytorch_tanh": 2}           # a fused call's gated input (cpu_math.h's mode bits)
 GEMMA_NORM = 4
+Q8X = 8                                                       # blocks: x rounded to int8 (kernels/cpu_quant.cpp)
 
 
 class CpuGemv:

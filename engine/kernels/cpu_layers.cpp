@@ -107,10 +107,11 @@ static void run(const Weights* layers, const Dims* d, T* x, int64_t m, const T* 
     thread_local std::vector<T> qkv, att, mid, gate_up, out;
     qkv.resize(m * qkv_n), att.resize(m * q_n), out.resize(m * d->hidden);
     mid.resize(m * d->hidden), gate_up.resize(m * 2 * d->intermediate);
+    const int q8 = (int)(d->mode & Q8X);        // blocks: x in int8 for their dot products
     for (int64_t l = 0; l < d->layers; l++) {
         const Weights& w = layers[l];
         project(w.qkv_q, x, m, w.qkv_w, w.qkv_b, qkv.data(), qkv_n, d->hidden, threads, w.input_norm, d->eps,
-                gemma * GEMMA_NORM, (const T*)nullptr);
+                gemma * GEMMA_NORM | q8, (const T*)nullptr);
         if (w.q_norm != nullptr) {
             heads(qkv.data(), (const T*)w.q_norm, d->eps, m, d->heads, qkv_n, hd, gemma);
             heads(qkv.data() + q_n, (const T*)w.k_norm, d->eps, m, d->kv_heads, qkv_n, hd, gemma);
@@ -120,20 +121,20 @@ static void run(const Weights* layers, const Dims* d, T* x, int64_t m, const T* 
                slots + w.group * m, tables + w.group * m * width, width, lens, m, d->heads, d->kv_heads, hd,
                d->block_size, d->scale, w.window, att.data(), threads);
         if (w.attn_out_norm == nullptr) {        // mid = x + o_proj(att)
-            project(w.o_q, att.data(), m, w.o_w, w.o_b, mid.data(), d->hidden, q_n, threads, nullptr, 0.f, 0, x);
+            project(w.o_q, att.data(), m, w.o_w, w.o_b, mid.data(), d->hidden, q_n, threads, nullptr, 0.f, q8, x);
         } else {                                 // mid = x + norm(o_proj(att))
-            project(w.o_q, att.data(), m, w.o_w, w.o_b, out.data(), d->hidden, q_n, threads, nullptr, 0.f, 0,
+            project(w.o_q, att.data(), m, w.o_w, w.o_b, out.data(), d->hidden, q_n, threads, nullptr, 0.f, q8,
                     (const T*)nullptr);
             norm(out.data(), (const T*)w.attn_out_norm, d->eps, mid.data(), m, d->hidden, gemma, x);
         }
         project(w.gate_up_q, mid.data(), m, w.gate_up_w, w.gate_up_b, gate_up.data(), 2 * d->intermediate,
-                d->hidden, threads, w.post_norm, d->eps, gemma * GEMMA_NORM, (const T*)nullptr);
+                d->hidden, threads, w.post_norm, d->eps, gemma * GEMMA_NORM | q8, (const T*)nullptr);
         if (w.mlp_out_norm == nullptr) {         // x = mid + down(act(gate) * up)
             project(w.down_q, gate_up.data(), m, w.down_w, w.down_b, x, d->hidden, d->intermediate, threads,
-                    nullptr, 0.f, act, mid.data());
+                    nullptr, 0.f, act | q8, mid.data());
         } else {                                 // x = mid + norm(down(act(gate) * up))
             project(w.down_q, gate_up.data(), m, w.down_w, w.down_b, out.data(), d->hidden, d->intermediate,
-                    threads, nullptr, 0.f, act, (const T*)nullptr);
+                    threads, nullptr, 0.f, act | q8, (const T*)nullptr);
             norm(out.data(), (const T*)w.mlp_out_norm, d->eps, x, m, d->hidden, gemma, mid.data());
         }
     }

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from engine.kernels import cpu_build
-from engine.kernels.cpu_gemv import ACTS, DTYPES, GEMMA_NORM, MAX_ROWS
+from engine.kernels.cpu_gemv import ACTS, DTYPES, GEMMA_NORM, MAX_ROWS, Q8X
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -83,7 +83,8 @@ class CpuLayers:
         self.second = ropes.index(1) if 1 in ropes else 0     # a layer whose tables are RoPE 1's
         self.weights = (Weights * len(layers))(*(_weights(layer, w, r, 0, i)
                                                  for i, (layer, w, r) in enumerate(zip(layers, windows, ropes))))
-        mode = ACTS[first.act_name] | (GEMMA_NORM if first.input_norm.gemma else 0)
+        mode = ACTS[first.act_name] | (GEMMA_NORM if first.input_norm.gemma else 0) | \
+            (Q8X if getattr(first.qkv, "int8", False) else 0)
         self.dims = Dims(len(layers), first.o_proj.weight.shape[0], first.n_heads, first.n_kv, first.head_dim,
                          first.down.weight.shape[1], 0, 0, mode, eps, 0.0)
         self.threads = threads

@@ -89,25 +89,28 @@ def load_state(path: Path, dtype: torch.dtype, gemma: bool = False,
     return state
 
 
-def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", quantization: str = "none") -> Decoder:
+def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", quantization: str = "none",
+               int8: bool = True) -> Decoder:
+    """The model at `path` (a directory or a .gguf file); `quantization` (q8_0 | q4_0) quantizes a directory's
+    projections at load; `int8`: decode's products with blocks take x in int8 (QLinear.int8)."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     kernel = cpu_quant.load() if device == "cpu" else None
     gguf = path.suffix == ".gguf"
     if quantization != "none":
-        return _quantized(path, cfg, dtype, quantization, kernel)
+        return _quantized(path, cfg, dtype, quantization, kernel, int8)
     # a quantized file on a CPU with the block kernels computes in fp32 from its blocks; elsewhere (or asked for
     # bf16 / fp16) it is dequantized into the model dtype
     keep = gguf and kernel is not None and dtype in ("auto", "float32") and gguf_file.quantized(path)
     torch_dtype = torch.float32 if keep else resolve_dtype(dtype, cfg)
     tensors = gguf_file.tensors(path, cfg, keep) if gguf else None
-    model = _build(path, cfg, load_state(path, torch_dtype, cfg.gemma_norms, tensors), kernel, device)
+    model = _build(path, cfg, load_state(path, torch_dtype, cfg.gemma_norms, tensors), kernel, device, int8)
     if gguf:
         gguf_file.close()
     return model
 
 
-def _quantized(path: Path, cfg: ModelConfig, dtype: str, kind: str, kernel) -> Decoder:
+def _quantized(path: Path, cfg: ModelConfig, dtype: str, kind: str, kernel, int8: bool) -> Decoder:
     """A safetensors model with its projections quantized into `kind` blocks (the embedding and head in Q8_0)."""
     if kernel is None:
         raise ValueError(f"quantization: {kind} runs on the CPU block kernels, which are not available here (a CUDA "
@@ -115,10 +118,10 @@ def _quantized(path: Path, cfg: ModelConfig, dtype: str, kind: str, kernel) -> D
     if dtype not in ("auto", "float32"):
         raise ValueError(f"quantization: {kind} computes in float32, got dtype {dtype}")
     state = load_state(path, torch.float32, cfg.gemma_norms, quant.quantized(safetensors(path), kind))
-    return _build(path, cfg, state, kernel, "cpu")
+    return _build(path, cfg, state, kernel, "cpu", int8)
 
 
-def _build(path: Path, cfg: ModelConfig, state: dict, kernel, device: str) -> Decoder:
+def _build(path: Path, cfg: ModelConfig, state: dict, kernel, device: str, int8: bool) -> Decoder:
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     elif "lm_head.weight" not in state:
@@ -128,7 +131,7 @@ def _build(path: Path, cfg: ModelConfig, state: dict, kernel, device: str) -> De
     blocks = {name: state.pop(name) for name in [n for n, v in state.items() if not isinstance(v, torch.Tensor)]}
     model.load_state_dict(state, strict=False, assign=True)
     for name, parts in blocks.items():
-        quant.install(model, name, parts if isinstance(parts, list) else [parts], kernel)
+        quant.install(model, name, parts if isinstance(parts, list) else [parts], kernel, int8)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ValueError(f"model: {path} lacks weights for {missing[:4]}")

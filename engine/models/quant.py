@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from engine.kernels import cpu_quant
-from engine.kernels.cpu_gemv import ACTS, GEMMA_NORM, MAX_ROWS
+from engine.kernels.cpu_gemv import ACTS, GEMMA_NORM, MAX_ROWS, Q8X
 
 SLICE_BYTES = 8 << 20     # prefill: the fp32 slice of a weight dequantized per GEMM
 
@@ -40,7 +40,9 @@ class Blocks:
 
 class QLinear(nn.Module):
     """y = x @ w.T + bias, w [n, k] in blocks. It is its own `weight` (shape, dtype), so code that passes a
-    projection's weight to a GEMV passes it."""
+    projection's weight to a GEMV passes it. `int8`: decode rounds x to int8 per 32 values for the dot products
+    with quantized blocks (llama.cpp's way; the loader sets it from quantized_activations); else x stays fp32."""
+    int8 = True
 
     def __init__(self, parts: list[Blocks], bias: torch.Tensor | None, kernel: cpu_quant.CpuQuant) -> None:
         super().__init__()
@@ -70,7 +72,7 @@ class QLinear(nn.Module):
     def fused(self, x: torch.Tensor, bias: torch.Tensor | None = None, *, norm=None, act: str | None = None,
               residual: torch.Tensor | None = None) -> torch.Tensor:
         """As CpuGemv.fused: of norm(x) or act(gate) * up, plus residual; for a decode step's rows."""
-        mode = ACTS[act] | (GEMMA_NORM if norm is not None and norm.gemma else 0)
+        mode = ACTS[act] | (GEMMA_NORM if norm is not None and norm.gemma else 0) | (Q8X if self.int8 else 0)
         return self.kernel.fused(x.contiguous(), self.mat(), self.shape[0], bias,
                                  None if norm is None else norm.weight.data_ptr(), 0.0 if norm is None else norm.eps,
                                  mode, None if residual is None else residual.contiguous())
@@ -124,13 +126,12 @@ def quantized(tensors: Iterable[tuple[str, torch.Tensor]], kind: str) -> Iterato
             yield name, tensor
 
 
-def install(model: nn.Module, name: str, parts: list[Blocks], kernel: cpu_quant.CpuQuant) -> None:
+def install(model: nn.Module, name: str, parts: list[Blocks], kernel: cpu_quant.CpuQuant, int8: bool = True) -> None:
     """Put the blocks of parameter `name` (a Linear's or the Embedding's weight) in place of that module."""
     path, _, _ = name.rpartition(".")
     parent, _, child = path.rpartition(".")
     owner = model.get_submodule(parent) if parent else model
     old = getattr(owner, child)
-    if isinstance(old, nn.Embedding):
-        setattr(owner, child, QEmbedding(QLinear(parts, None, kernel)))
-    else:
-        setattr(owner, child, QLinear(parts, old.bias, kernel))
+    new = QLinear(parts, None if isinstance(old, nn.Embedding) else old.bias, kernel)
+    new.int8 = int8
+    setattr(owner, child, QEmbedding(new) if isinstance(old, nn.Embedding) else new)
