@@ -37,7 +37,7 @@ def reference(src: Path, prompt: list[int], kinds: dict[str, str], tokens: int =
 def test_a_q8_0_file_keeps_its_blocks_and_decodes_as_transformers(tmp_path):
     src = cached_model("tiny")
     file = write(src, tmp_path / "tiny-q8.gguf", "Q8_0")
-    llm = LLM(model=str(file), max_batch_size=2)
+    llm = LLM(model=str(file), max_batch_size=2, quantized_activations="float32")
     model = llm.engine.runner.model
     assert isinstance(model.embed, QEmbedding) and isinstance(model.layers[0].gate_up, QLinear)
     held = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -45,14 +45,15 @@ def test_a_q8_0_file_keeps_its_blocks_and_decodes_as_transformers(tmp_path):
     prompt = random_ids(40, seed=5)
     want = reference(src, prompt, {"proj": "Q8_0", "embed": "Q8_0"})
     assert llm.generate(prompt, greedy(12))[0].token_ids == want
-    dense = LLM(model=str(file), max_batch_size=1)    # dense KV: the per-layer fused calls
+    assert LLM(model=str(file)).engine.runner.model.layers[0].qkv.int8        # llama.cpp's way by default
+    dense = LLM(model=str(file), max_batch_size=1, quantized_activations="float32")   # dense KV: per-layer calls
     assert dense.generate(prompt, greedy(12))[0].token_ids == want
 
 
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
 def test_quantization_at_load_decodes_as_transformers_on_the_rounded_weights(kind):
     src = cached_model("tiny")
-    llm = LLM(model=str(src), quantization=kind, max_batch_size=2)
+    llm = LLM(model=str(src), quantization=kind, max_batch_size=2, quantized_activations="float32")
     assert isinstance(llm.engine.runner.model.layers[1].qkv, QLinear)
     prompt = random_ids(30, seed=6)
     want = reference(src, prompt, {"proj": kind.upper(), "embed": "Q8_0"})

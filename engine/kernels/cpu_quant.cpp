@@ -29,7 +29,7 @@ static void block(const float* x, const float* xs, const uint8_t* w, int64_t row
         for (int r = 0; r < R; r++) acc[c][r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < k / B::QK; b++) {
         const uint8_t* at = w + b * B::BYTES;
-        for (int r = 0; r < R; r++) _mm_prefetch((const char*)(at + (r + R) * row_bytes), _MM_HINT_T0);
+        for (int r = 0; r < R; r++) _mm_prefetch((const char*)(at + (r + 2 * R) * row_bytes), _MM_HINT_T0);
         const float* xb = x + b * B::QK;
         if constexpr (B::FLOAT) {
             alignas(32) float buf[R][B::QK];
@@ -68,6 +68,7 @@ static void block(const float* x, const float* xs, const uint8_t* w, int64_t row
         for (int r = 0; r < R; r++) y[c * ldy + r] = hsum(acc[c][r]) - low[c][r] + (bias ? bias[r] : 0.f);
 }
 
+// (Both forms prefetch the rows two groups ahead: decode ran 10-20% faster than with one, paired on a 0.5B Q8_0.)
 // The integer form of `block`: x as int8 (xq) with a scale per 32 (dx). Per 32 weights, |q| times x with q's signs
 // (maddubs: u8 x s8 pairs into int16, then int32), converted to fp32 and scaled by the weights' scale (one a 16 for
 // Q6_K: half the lanes each) times x's.
@@ -84,7 +85,7 @@ static void iblock(const int8_t* xq, const float* dx, const float* xs, const uin
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < k / B::QK; b++) {
         const uint8_t* at = w + b * B::BYTES;
-        for (int r = 0; r < R; r++) _mm_prefetch((const char*)(at + (r + R) * row_bytes), _MM_HINT_T0);
+        for (int r = 0; r < R; r++) _mm_prefetch((const char*)(at + (r + 2 * R) * row_bytes), _MM_HINT_T0);
         alignas(32) int8_t buf[R][B::QK];
         float sc[R][B::QK / B::SUB], mn[R][B::QK / B::SUB];
         const int8_t* q[R];
