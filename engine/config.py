@@ -157,8 +157,6 @@ class ServeConfig:
     max_body_bytes: int = option(8 << 20, "refuse larger request bodies with 413", low=1)
 
     def __post_init__(self) -> None:
-        if self.quantization is None:         # vLLM's default
-            self.quantization = "none"
         validate(self)
 
 

@@ -91,3 +91,9 @@ def test_a_tensor_type_the_kernels_do_not_read_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"model: tensor blk.0.ffn_up.weight is Q5_1, which is not supported "
                                          r"\(supported: F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q4_K, Q6_K\)"):
         LLM(model=str(out))
+
+
+def test_vllm_backends_quantization_argument():
+    from engine.frontends.vllm_args import engine_values
+    assert engine_values({"quantization": "q8_0"}) == {"quantization": "q8_0"}
+    assert engine_values({"quantization": "gguf"}) == {} and engine_values({"quantization": None}) == {}

@@ -96,6 +96,9 @@ def engine_values(args: dict[str, Any]) -> dict[str, Any]:
             if names:
                 values["served_model_name"] = names[0]
         elif key == "quantization":            # "gguf" names what a .gguf model is anyway
+            if value not in (None, "gguf", "q8_0", "q4_0"):
+                raise ValueError(f"model.json: quantization={json.dumps(value)} cannot be honoured here: weights "
+                                 "are read as GGUF blocks (a .gguf model) or quantized at load to q8_0 or q4_0")
             if value not in (None, "gguf"):
                 values["quantization"] = value
         elif key == "enforce_eager":            # vLLM's eager mode: no CUDA graphs
