@@ -97,3 +97,13 @@ def test_vllm_backends_quantization_argument():
     from engine.frontends.vllm_args import engine_values
     assert engine_values({"quantization": "q8_0"}) == {"quantization": "q8_0"}
     assert engine_values({"quantization": "gguf"}) == {} and engine_values({"quantization": None}) == {}
+
+
+def test_a_gguf_file_takes_its_tokenizer_from_a_directory_when_told(tmp_path):
+    """vLLM's `tokenizer`: the directory's tokenizer and chat template instead of the file's (which has none)."""
+    import json
+    src = cached_model("tiny")
+    file = write(src, tmp_path / "tiny.gguf", "Q8_0")
+    template = json.loads((src / "tokenizer_config.json").read_text())["chat_template"]
+    assert template and LLM(model=str(file)).engine.tokenizer.chat_template is None
+    assert LLM(model=str(file), tokenizer=str(src)).engine.tokenizer.chat_template == template
