@@ -258,7 +258,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows += step()
     print(f"\nPagoda vs peers, {time.strftime('%Y-%m-%d')}, torch threads {t}"
           f"{' (quick: smoke only)' if args.quick else ''}")
-    print(f"CPU: {cpu_model()}; Pagoda's kernels built for {cpu_build.isa() or 'none'}")
+    isa = cpu_build.isa() or "none"
+    vnni = " + VNNI" if isa == "avx512" and cpu_build.vnni() else ""
+    print(f"CPU: {cpu_model()}; Pagoda's kernels built for {isa}{vnni}")
     print(table(["section", "what", "pagoda", "peer", "ratio (range)", "goal", "met"],
                 [[r["section"], r["what"], f"{r['pagoda']:.1f}", f"{r['peer']:.1f}", ratio_text(r),
                   f"{r['goal']:.2f}", "yes" if r["met"] else "NO"] for r in rows], left=2))

@@ -2,7 +2,7 @@
 cache folder, loaded with ctypes. PAGODA_CPU_KERNELS=0 turns them off; torch's ops serve instead.
 
 It is built for the instruction set torch found on this CPU: AVX2 + FMA, or with AVX-512 too, whose 512-bit loads
-the GEMV uses (ATEN_CPU_CAPABILITY=avx2, torch's own switch, holds both to AVX2)."""
+the GEMV uses (ATEN_CPU_CAPABILITY=avx2, torch's own switch, holds both to AVX2), and VNNI where the CPU has it."""
 from __future__ import annotations
 
 import ctypes
@@ -33,13 +33,22 @@ def isa() -> str | None:
     return {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability())
 
 
+def vnni() -> bool:
+    """Whether this CPU has AVX512-VNNI (the block kernels' int8 dot products take it in the avx512 build)."""
+    try:
+        return any(line.startswith("flags") and " avx512_vnni" in line
+                   for line in Path("/proc/cpuinfo").read_text().splitlines())
+    except OSError:
+        return False
+
+
 def build(target: str = "avx2") -> Path:
     """The shared library for `target` (an ISAS key), compiled on first use into the cache folder under a name keyed
     by source and flags."""
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler ({cxx})")
-    flags = [*FLAGS, *ISAS[target]]
+    flags = [*FLAGS, *ISAS[target], *(["-mavx512vnni"] if target == "avx512" and vnni() else [])]
     key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join([cxx, *flags]).encode())
     out = cache_root() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if out.exists():
