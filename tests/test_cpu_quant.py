@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import cpu_build, cpu_quant
-from engine.models.quant import Blocks, QLinear
+from engine.models.quant import Blocks, QLinear, prefill_dtype
 
 gguf = pytest.importorskip("gguf")
 TARGETS = [t for t in ("avx2", "avx512") if t == "avx2" or cpu_build.isa() == "avx512"]
@@ -108,4 +108,10 @@ def test_a_fused_projection_of_mixed_types_with_its_norm_activation_and_residual
     torch.testing.assert_close(got, (F.silu(gate) * up) @ w.T, rtol=1e-4, atol=1e-4)
     big = torch.randn(40, 256)                    # prefill: dequantized slices through torch's GEMM
     torch.testing.assert_close(q.forward(big), big @ w.T, rtol=1e-4, atol=1e-4)
+    q.int8 = True                                 # beside int8 activations: in bf16 where the CPU has it
+    lossy = prefill_dtype() == torch.bfloat16
+    assert lossy == bool({"avx512_bf16", "amx_bf16"} & cpu_build.cpu_flags())
+    # bf16 rounds each x and w by at most 2^-8 relative: the error is within 2^-7 of the sum of |terms|
+    bound = (2.0 ** -7 if lossy else 1e-5) * (big.abs() @ w.abs().T) + 1e-4
+    assert ((q.forward(big) - big @ w.T).abs() <= bound).all()
     assert q.shape == (24, 256) and ctypes.addressof(q.mat()) == ctypes.addressof(q.mat())

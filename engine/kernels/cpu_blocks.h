@@ -96,13 +96,17 @@ template <> struct Block<Q4_K> {
     static constexpr int QK = 256, BYTES = 144, SUB = 32;
     static constexpr bool FLOAT = false, MIN = true;
     static const int8_t* unpack(const uint8_t* b, int8_t* buf, float* sc, float* mn) {
-        const float d = half(b), dmin = half(b + 2);
-        const uint8_t* s = b + 4;
-        for (int j = 0; j < 8; j++) {
-            const int a = j < 4 ? s[j] & 63 : (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-            const int m = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-            sc[j] = d * a, mn[j] = dmin * m;
-        }
+        // the 6-bit scales and mins, four bytes at a time: sub-block j < 4 has the low 6 bits of bytes j (scale) and
+        // 4 + j (min); j >= 4 the nibbles of byte 4 + j under the top 2 bits of bytes j - 4 and j
+        uint32_t w[3];
+        memcpy(w, b + 4, 12);
+        const uint32_t six = 0x3F3F3F3F, four = 0x0F0F0F0F, two = 0x03030303;
+        const uint32_t sm[4] = {w[0] & six, (w[2] & four) | (((w[0] >> 6) & two) << 4), w[1] & six,
+                                ((w[2] >> 4) & four) | (((w[1] >> 6) & two) << 4)};
+        const __m128i all = _mm_loadu_si128((const __m128i*)sm);                   // 8 scales, 8 mins
+        const __m256 d = _mm256_set1_ps(half(b)), dmin = _mm256_set1_ps(half(b + 2));
+        _mm256_storeu_ps(sc, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(all))));
+        _mm256_storeu_ps(mn, _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(all, 8)))));
         for (int i = 0; i < 4; i++) {
             const __m256i raw = load32(b + 16 + 32 * i);
             _mm256_storeu_si256((__m256i*)(buf + 64 * i), low4(raw));
@@ -118,8 +122,9 @@ template <> struct Block<Q6_K> {
     static constexpr int QK = 256, BYTES = 210, SUB = 16;
     static constexpr bool FLOAT = false, MIN = false;
     static const int8_t* unpack(const uint8_t* b, int8_t* buf, float* sc, float*) {
-        const float d = half(b + 208);
-        for (int j = 0; j < 16; j++) sc[j] = d * ((const int8_t*)(b + 192))[j];
+        const __m256 d = _mm256_set1_ps(half(b + 208));
+        for (int j = 0; j < 16; j += 8)
+            _mm256_storeu_ps(sc + j, _mm256_mul_ps(d, widen8((const int8_t*)(b + 192) + j)));
         const __m256i three = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
         for (int h = 0; h < 2; h++) {
             const __m256i a = load32(b + 64 * h), c = load32(b + 64 * h + 32), qh = load32(b + 128 + 32 * h);

@@ -6,6 +6,7 @@ the GEMV uses (ATEN_CPU_CAPABILITY=avx2, torch's own switch, holds both to AVX2)
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -33,13 +34,21 @@ def isa() -> str | None:
     return {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability())
 
 
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 def vnni() -> bool:
     """Whether this CPU has AVX512-VNNI (the block kernels' int8 dot products take it in the avx512 build)."""
-    try:
-        return any(line.startswith("flags") and " avx512_vnni" in line
-                   for line in Path("/proc/cpuinfo").read_text().splitlines())
-    except OSError:
-        return False
+    return "avx512_vnni" in cpu_flags()
 
 
 def build(target: str = "avx2") -> Path:

@@ -4,7 +4,7 @@ one more kind of linear layer, and an embedding that reads its rows from the sam
 A projection's weight is one uint8 parameter holding its parts' blocks one after another (a fused projection may
 stack parts of different types: Q4_K_M keeps v in Q6_K beside q and k in Q4_K), so the huge-page packing moves it
 like any other weight. Decode's few rows multiply the blocks directly (kernels/cpu_quant.cpp); prefill's many rows
-dequantize a slice of the weight at a time into fp32 and multiply with torch's GEMM. Activations are fp32.
+dequantize a slice of the weight at a time and multiply with torch's GEMM. Activations are fp32 between the layers.
 """
 from __future__ import annotations
 
@@ -14,10 +14,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.kernels import cpu_quant
+from engine.kernels import cpu_build, cpu_quant
 from engine.kernels.cpu_gemv import ACTS, GEMMA_NORM, MAX_ROWS, Q8X
 
 SLICE_BYTES = 8 << 20     # prefill: the fp32 slice of a weight dequantized per GEMM
+
+
+def prefill_dtype() -> torch.dtype:
+    """Prefill's GEMM type beside int8 activations: bf16 where the CPU multiplies it natively (AVX512-BF16, AMX),
+    about twice fp32's speed there and no lossier than decode's int8; else fp32."""
+    return torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & cpu_build.cpu_flags() else torch.float32
 
 
 @dataclass(slots=True)
@@ -81,11 +87,12 @@ class QLinear(nn.Module):
         if x.shape[0] <= MAX_ROWS:
             return self.fused(x, self.bias)
         n, k = self.shape
+        dtype = prefill_dtype() if self.int8 else torch.float32
         step = max(1, SLICE_BYTES // (4 * k))
-        out = torch.empty((x.shape[0], n), dtype=torch.float32)
+        out, xd = torch.empty((x.shape[0], n), dtype=torch.float32), x.to(dtype)
         for first in range(0, n, step):
             rows = min(step, n - first)
-            out[:, first:first + rows] = x @ self.kernel.dequant(self.mat(), first, rows, k).T
+            out[:, first:first + rows] = xd @ self.kernel.dequant(self.mat(), first, rows, k).to(dtype).T
         return out if self.bias is None else out.add_(self.bias)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
