@@ -41,8 +41,9 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write(src: Path, out: Path, quant: str = "F32") -> Path:
-    """The preset directory `src` as a GGUF file; 2-D weights in `quant` (F32, F16 or Q8_0)."""
+def write(src: Path, out: Path, quant: str = "F32", template: str | None = None) -> Path:
+    """The preset directory `src` as a GGUF file; 2-D weights in `quant` (F32, F16 or Q8_0); with `template`, the
+    chat template llama.cpp's converter copies from tokenizer_config.json."""
     from safetensors.numpy import load_file
     data = json.loads((src / "config.json").read_text())
     cfg = ModelConfig.from_dir(src)
@@ -73,6 +74,8 @@ def write(src: Path, out: Path, quant: str = "F32") -> Path:
         w.add_bos_token_id(data["bos_token_id"])
     eos = data["eos_token_id"]
     w.add_eos_token_id(eos[0] if isinstance(eos, list) else eos)
+    if template is not None:
+        w.add_chat_template(template)
     if spec.kind == "llama3":                  # as llama.cpp: the scaling as divisors of the default frequencies
         plain = inv_freq(type(spec)(spec.theta), cfg.head_dim)
         w.add_tensor("rope_freqs.weight", (plain / inv_freq(spec, cfg.head_dim)).numpy().astype(np.float32))

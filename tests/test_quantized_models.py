@@ -99,11 +99,13 @@ def test_vllm_backends_quantization_argument():
     assert engine_values({"quantization": "gguf"}) == {} and engine_values({"quantization": None}) == {}
 
 
-def test_a_gguf_file_takes_its_tokenizer_from_a_directory_when_told(tmp_path):
-    """vLLM's `tokenizer`: the directory's tokenizer and chat template instead of the file's (which has none)."""
+def test_a_gguf_file_brings_its_chat_template_or_takes_a_directorys_tokenizer(tmp_path):
+    """The file's tokenizer.chat_template serves chat; vLLM's `tokenizer` takes a directory's tokenizer and template
+    instead of the file's."""
     import json
     src = cached_model("tiny")
-    file = write(src, tmp_path / "tiny.gguf", "Q8_0")
     template = json.loads((src / "tokenizer_config.json").read_text())["chat_template"]
-    assert template and LLM(model=str(file)).engine.tokenizer.chat_template is None
-    assert LLM(model=str(file), tokenizer=str(src)).engine.tokenizer.chat_template == template
+    bare, with_template = write(src, tmp_path / "a.gguf", "Q8_0"), write(src, tmp_path / "b.gguf", "Q8_0", template)
+    assert template and LLM(model=str(bare)).engine.tokenizer.chat_template is None
+    assert LLM(model=str(with_template)).engine.tokenizer.chat_template == template
+    assert LLM(model=str(bare), tokenizer=str(src)).engine.tokenizer.chat_template == template
