@@ -40,9 +40,9 @@ from engine.core.sampling import SamplingParams
 from engine.kernels import cpu_build
 from engine.models import hugepages
 from engine.models.presets import cached_model
-from perf import bench_families, llama_peer
+from perf import bench_families, bench_gguf, llama_peer
 from perf.bench_decode import transformers_rate
-from perf.common import ROOT, Pair, greedy_run, median_pair, paired, prompt_ids, table
+from perf.common import ROOT, Pair, cpu_model, greedy_run, median_pair, paired, prompt_ids, table
 
 # Each row's goal: it is met when Pagoda / peer >= goal.
 GOALS = {
@@ -155,29 +155,6 @@ def llama_cpp_rows(preset: str, threads: int, tokens: int, repeats: int) -> list
     return rows
 
 
-def gguf_rows(preset: str, threads: int, tokens: int, repeats: int, kinds=("q8_0", "q4_k_m")) -> list[dict]:
-    """Pagoda / llama.cpp on the same GGUF file, made from the preset by llama.cpp's converter and quantizer (and
-    the registry's real Gemma 3 270M Q4_K_M where it can be had): decode and 512-token prefill. A goal is met when
-    every pair meets it."""
-    tree, why = llama_peer.build()
-    if tree is None:
-        print(f"GGUF rows left out: {why}")
-        return []
-    files = [(f"{preset} {kind}", llama_peer.quantized(tree, cached_model(preset), kind, threads)) for kind in kinds]
-    try:
-        from scripts.gemma3_270m import Unavailable, hf_dir
-        files.append(("gemma-3-270m q4_k_m (real)", next(hf_dir().parent.glob("*.gguf"))))
-    except (ImportError, Unavailable) as e:
-        print(f"real Gemma 3 270M row left out: {e}")
-    rows = []
-    for name, file in files:
-        decode, prefill = llama_peer.compare(tree, Path(file), "auto", threads, tokens, repeats, file=Path(file))
-        size = Path(file).stat().st_size / 2**20
-        rows += [paired_row("GGUF vs llama.cpp", f"{name} ({size:.0f} MiB) decode", decode, "gguf decode", True),
-                 paired_row("GGUF vs llama.cpp", f"{name} 512-token prefill", prefill, "gguf prefill", True)]
-    return rows
-
-
 def row(section: str, what: str, pagoda: float, peer: float, goal: float, unit: str = "tok/s",
         ratio: float | None = None) -> dict:
     if ratio is None:
@@ -245,8 +222,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                     "mlx-lm")]),
         ("llama.cpp", lambda: llama_cpp_rows("tiny-qwen" if args.quick else "qwen2.5-0.5b", t,
                                              16 if args.quick else 128, 2 if args.quick else 4)),
-        ("gguf", lambda: gguf_rows("tiny-qwen" if args.quick else "qwen2.5-0.5b", t, 16 if args.quick else 128,
-                                   2 if args.quick else 4)),
+        ("gguf", lambda: bench_gguf.rows("tiny-qwen" if args.quick else "qwen2.5-0.5b", t, 16 if args.quick else 128,
+                                         2 if args.quick else 4)),
         ("families", lambda: bench_families.rows(bench_families.QUICK if args.quick else bench_families.PRESETS, t,
                                                  16 if args.quick else 128, 1 if args.quick else 3)),
     ]
@@ -274,17 +251,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
 def ratio_text(r: dict) -> str:
     low, high = r.get("low", float("nan")), r.get("high", float("nan"))
     return f"{r['ratio']:.2f}" if low != low else f"{r['ratio']:.2f} ({low:.2f}-{high:.2f})"
-
-
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), so figures from different machines are never read as one."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def gemv_ceiling(engine: Engine, repeats: int = 5, linear=None) -> float:

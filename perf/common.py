@@ -124,3 +124,14 @@ def plot_requests(series: dict[str, list[tuple[float, float, float]]], path: str
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), so figures from different machines are never read as one."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"

@@ -30,11 +30,11 @@ class CpuQuant:
         self.dequant_fn = cpu_build.bind(lib, "qdequant", [_P, _I, _I, _I, _P, ctypes.c_int])
         self.rows_fn = cpu_build.bind(lib, "qrows", [_P, _P, _I, _I, _P])
 
-    def fused(self, x: torch.Tensor, mat: Mat, n: int, bias: torch.Tensor | None, norm_ptr: int | None, eps: float,
-              mode: int, residual: torch.Tensor | None) -> torch.Tensor:
-        """y [m, n] = x [m, k] (fp32, contiguous) through cpu_gemv's fused input (mode, norm) times the blocks."""
+    def fused(self, x: torch.Tensor, mat: Mat, n: int, k: int, bias: torch.Tensor | None, norm_ptr: int | None,
+              eps: float, mode: int, residual: torch.Tensor | None) -> torch.Tensor:
+        """y [m, n] = x (fp32, contiguous; [m, k], or [m, 2k] when gated) through cpu_gemv's fused input (mode, norm)
+        times the blocks of w [n, k]."""
         y = torch.empty((x.shape[0], n), dtype=torch.float32)
-        k = x.shape[1] // 2 if mode & 3 and norm_ptr is None else x.shape[1]
         self.fused_fn(x.data_ptr(), x.shape[0], ctypes.byref(mat), None if bias is None else bias.data_ptr(),
                       y.data_ptr(), n, k, torch.get_num_threads(), norm_ptr, eps, mode,
                       None if residual is None else residual.data_ptr())

@@ -79,7 +79,7 @@ class QLinear(nn.Module):
               residual: torch.Tensor | None = None) -> torch.Tensor:
         """As CpuGemv.fused: of norm(x) or act(gate) * up, plus residual; for a decode step's rows."""
         mode = ACTS[act] | (GEMMA_NORM if norm is not None and norm.gemma else 0) | (Q8X if self.int8 else 0)
-        return self.kernel.fused(x.contiguous(), self.mat(), self.shape[0], bias,
+        return self.kernel.fused(x.contiguous(), self.mat(), *self.shape, bias,
                                  None if norm is None else norm.weight.data_ptr(), 0.0 if norm is None else norm.eps,
                                  mode, None if residual is None else residual.contiguous())
 
