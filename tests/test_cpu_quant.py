@@ -55,11 +55,17 @@ def dense(b: Blocks) -> torch.Tensor:
 
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("kind", list(cpu_quant.TYPES))
-def test_rows_dequantize_as_gguf_does(kind, target):
-    b = blocks(kind, 9, 512, seed=1)
+@pytest.mark.parametrize("packed", [False, True])
+def test_rows_dequantize_as_gguf_does(kind, target, packed):
+    """In the file's layout, and packed (two groups of 8 rows and 3 rows after them): any range of rows."""
+    b = blocks(kind, 19, 512, seed=1)
     q = QLinear([b], None, kernel(target))
-    assert torch.equal(q.kernel.dequant(q.mat(), 0, 9, 512), dense(b))
-    ids = torch.tensor([[8, 0], [3, 3]])
+    if packed:
+        q.pack()
+        assert q.kinds[0][4] == (not kind.startswith(("F", "BF")))
+    assert torch.equal(q.kernel.dequant(q.mat(), 0, 19, 512), dense(b))
+    assert torch.equal(q.kernel.dequant(q.mat(), 3, 15, 512), dense(b)[3:18])
+    ids = torch.tensor([[18, 0], [3, 3]])
     assert torch.equal(q.rows(ids), dense(b)[ids])
 
 
@@ -74,13 +80,16 @@ def int8(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("kind", list(cpu_quant.TYPES))
 @pytest.mark.parametrize("m", [1, 3, 8])
-@pytest.mark.parametrize("acts", ["float32", "int8"])
+@pytest.mark.parametrize("acts", ["float32", "int8", "int8 packed"])
 def test_the_gemv_is_the_float_product_of_the_dequantized_blocks(kind, m, target, acts):
-    """float32: with x itself; int8: with x rounded per 32 values (the float types always take x itself)."""
+    """float32: with x itself; int8: with x rounded per 32 values (the float types always take x itself), from the
+    file's layout or from rows packed in groups of 8 (37 rows: 4 groups and 5 rows in the file's layout)."""
     b = blocks(kind, 37, 512, seed=2)
     bias = torch.randn(37)
     q = QLinear([b], bias, kernel(target))
-    q.int8 = acts == "int8"
+    q.int8 = acts != "float32"
+    if acts == "int8 packed":
+        q.pack()
     x = torch.randn(m, 512)
     seen = int8(x) if q.int8 and not kind.startswith(("F", "BF")) else x
     w = dense(b).double()
@@ -109,6 +118,8 @@ def test_a_fused_projection_of_mixed_types_with_its_norm_activation_and_residual
     big = torch.randn(40, 256)                    # prefill: dequantized slices through torch's GEMM
     torch.testing.assert_close(q.forward(big), big @ w.T, rtol=1e-4, atol=1e-4)
     q.int8 = True                                 # beside int8 activations: in bf16 where the CPU has it
+    q.pack()
+    assert [kind[4] for kind in q.kinds] == [1, 1, 1] and q.blocks.numel() > sum(p.data.numel() for p in parts)
     lossy = prefill_dtype() == torch.bfloat16
     assert lossy == bool({"avx512_bf16", "amx_bf16"} & cpu_build.cpu_flags())
     # bf16 rounds each x and w by at most 2^-8 relative: the error is within 2^-7 of the sum of |terms|

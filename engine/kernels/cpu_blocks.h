@@ -10,9 +10,10 @@
 // GGML's type ids
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14, BF16 = 30 };
 
+// packed: rows in groups of 8 (cpu_packed.h), the rows past the last whole group in the file's layout after them
 struct Part {
     const uint8_t* data;
-    int64_t type, rows, row_bytes;
+    int64_t type, rows, row_bytes, packed;
 };
 // A projection's weight: parts stacked by rows (a fused projection), each in its own block type
 struct Mat {

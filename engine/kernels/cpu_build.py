@@ -23,7 +23,7 @@ log = logging.getLogger("pagoda")
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_pointwise.cpp", "cpu_layers.cpp", "cpu_quant.cpp")]
-HEADERS = [Path(__file__).with_name("cpu_math.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("cpu_math.h", "cpu_blocks.h", "cpu_rows.h", "cpu_packed.h")]
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared"]
 ISAS = {"avx2": ["-mavx2", "-mfma", "-mf16c"],
         "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq"]}
@@ -76,10 +76,10 @@ def build(target: str = "avx2") -> Path:
     return out
 
 
-def bind(lib: ctypes.CDLL, name: str, argtypes: list) -> ctypes._CFuncPtr:
-    """The library's function `name`, typed, returning nothing (every kernel writes into its arguments)."""
+def bind(lib: ctypes.CDLL, name: str, argtypes: list, restype=None) -> ctypes._CFuncPtr:
+    """The library's function `name`, typed (kernels return nothing: they write into their arguments)."""
     fn = getattr(lib, name)
-    fn.argtypes, fn.restype = argtypes, None
+    fn.argtypes, fn.restype = argtypes, restype
     return fn
 
 

@@ -6,162 +6,108 @@
 //
 // Two ways to multiply a quantized block (mode bit Q8X): with x in fp32 (the weights' integers widened to fp32: a
 // float matmul with the dequantized weights up to summation order), or, as llama.cpp does, with x rounded to int8
-// per 32 values (scale max|x| / 127) and integer dot products, which take a third of the instructions: decode is
-// bound by them, not by memory, on the 2-core machines measured (docs/models.md).
+// per 32 values (scale max|x| / 127) and integer dot products, which take a third of the instructions. The integer
+// form runs on rows packed in groups of 8 at load (cpu_packed.h), which takes a third again: decode is then bound
+// by memory, not by instructions, on the 2-core machines measured (docs/models.md). The file's layout (cpu_rows.h)
+// serves fp32 x and the rows past a part's last whole group.
 #include <immintrin.h>
 #include <stdint.h>
 
 #include <vector>
 
-#include "cpu_blocks.h"
+#include "cpu_packed.h"
+#include "cpu_rows.h"
 
-// Weight rows [r0, r0 + R) of one part against C input rows (stride k; xs: their sums per 32, for mins), summed
-// into y[c * ldy + r]. A float type's block is widened into fp32 once and multiplied with every input row; a
-// quantized block is unpacked to int8 once, and per SUB weights its integers times x are summed in fp32, then
-// scaled; a min's term is the min times x's sum.
-template <int T, int R, int C>
-static void block(const float* x, const float* xs, const uint8_t* w, int64_t row_bytes, int64_t k, const float* bias,
-                  float* y, int64_t ldy) {
-    using B = Block<T>;
-    __m256 acc[C][R];
-    float low[C][R] = {};
-    for (int c = 0; c < C; c++)
-        for (int r = 0; r < R; r++) acc[c][r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < k / B::QK; b++) {
-        const uint8_t* at = w + b * B::BYTES;
-        for (int r = 0; r < R; r++) _mm_prefetch((const char*)(at + (r + 2 * R) * row_bytes), _MM_HINT_T0);
-        const float* xb = x + b * B::QK;
-        if constexpr (B::FLOAT) {
-            alignas(32) float buf[R][B::QK];
-            for (int r = 0; r < R; r++) B::deq(at + r * row_bytes, buf[r]);
-            for (int i = 0; i < B::QK; i += 8)
-                for (int c = 0; c < C; c++) {
-                    const __m256 xv = _mm256_loadu_ps(xb + c * k + i);
-                    for (int r = 0; r < R; r++) acc[c][r] = _mm256_fmadd_ps(_mm256_load_ps(buf[r] + i), xv, acc[c][r]);
-                }
-        } else {
-            constexpr int SUBS = B::QK / B::SUB, V = B::SUB / 8;
-            alignas(32) int8_t buf[R][B::QK];
-            float sc[R][SUBS], mn[R][SUBS];
-            const int8_t* q[R];
-            for (int r = 0; r < R; r++) q[r] = B::unpack(at + r * row_bytes, buf[r], sc[r], mn[r]);
-            for (int s = 0; s < SUBS; s++) {
-                const int o = s * B::SUB;
-                __m256 part[C][R];
-                for (int c = 0; c < C; c++)
-                    for (int r = 0; r < R; r++) part[c][r] = _mm256_setzero_ps();
-                for (int v = 0; v < V; v++)
-                    for (int r = 0; r < R; r++) {
-                        const __m256 wv = widen8(q[r] + o + 8 * v);       // once, for every input row
-                        for (int c = 0; c < C; c++)
-                            part[c][r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xb + c * k + o + 8 * v), part[c][r]);
-                    }
-                for (int c = 0; c < C; c++)
-                    for (int r = 0; r < R; r++) {
-                        acc[c][r] = _mm256_fmadd_ps(part[c][r], _mm256_set1_ps(sc[r][s]), acc[c][r]);
-                        if constexpr (B::MIN) low[c][r] += mn[r][s] * xs[c * (k / 32) + (b * B::QK + o) / 32];
-                    }
-            }
-        }
-    }
-    for (int c = 0; c < C; c++)
-        for (int r = 0; r < R; r++) y[c * ldy + r] = hsum(acc[c][r]) - low[c][r] + (bias ? bias[r] : 0.f);
-}
-
-// (Both forms prefetch the rows two groups ahead: decode ran 10-20% faster than with one, paired on a 0.5B Q8_0.)
-// The integer form of `block`: x as int8 (xq) with a scale per 32 (dx). Per 32 weights, |q| times x with q's signs
-// (maddubs: u8 x s8 pairs into int16, then int32), converted to fp32 and scaled by the weights' scale (one a 16 for
-// Q6_K: half the lanes each) times x's. With AVX512-VNNI one vpdpbusd does the pairs' and quads' sums.
-template <int T, int R, int C>
-static void iblock(const int8_t* xq, const float* dx, const float* xs, const uint8_t* w, int64_t row_bytes, int64_t k,
-                   const float* bias, float* y, int64_t ldy) {
-    using B = Block<T>;
-    constexpr int CHUNKS = B::QK / 32;
+// A packed part: 8 rows a group times up to 4 input rows at a time, then the rows past the last group
+template <int T, int C>
+static void group_rows(const uint8_t* w, int64_t cols, const Input& in, int64_t c0, int64_t k, const float* bias,
+                       float* y, int64_t ldy) {
+    constexpr int QK = Block<T>::QK, BYTES = Packed<T>::BYTES;
     const int64_t nb = k / 32;
-    __m256 acc[C][R];
-    float low[C][R] = {};
-    for (int c = 0; c < C; c++)
-        for (int r = 0; r < R; r++) acc[c][r] = _mm256_setzero_ps();
-    [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t b = 0; b < k / B::QK; b++) {
-        const uint8_t* at = w + b * B::BYTES;
-        for (int r = 0; r < R; r++) _mm_prefetch((const char*)(at + (r + 2 * R) * row_bytes), _MM_HINT_T0);
-        alignas(32) int8_t buf[R][B::QK];
-        float sc[R][B::QK / B::SUB], mn[R][B::QK / B::SUB];
-        const int8_t* q[R];
-        for (int r = 0; r < R; r++) q[r] = B::unpack(at + r * row_bytes, buf[r], sc[r], mn[r]);
-        for (int j = 0; j < CHUNKS; j++) {
-            const int64_t blk = b * CHUNKS + j;
-            __m256i qv[R], mag[R];
-            for (int r = 0; r < R; r++) {
-                qv[r] = _mm256_loadu_si256((const __m256i*)(q[r] + 32 * j));
-                mag[r] = _mm256_sign_epi8(qv[r], qv[r]);
-            }
-            for (int c = 0; c < C; c++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + c * k + 32 * blk));
-                const float d = dx[c * nb + blk];
-                for (int r = 0; r < R; r++) {
-#ifdef __AVX512VNNI__
-                    const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), mag[r], _mm256_sign_epi8(xv, qv[r]));
-#else
-                    const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(mag[r], _mm256_sign_epi8(xv, qv[r])), ones);
-#endif
-                    const __m256 scale = B::SUB == 32 ? _mm256_set1_ps(sc[r][j] * d)
-                        : _mm256_setr_m128(_mm_set1_ps(sc[r][2 * j] * d), _mm_set1_ps(sc[r][2 * j + 1] * d));
-                    acc[c][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[c][r]);
-                    if constexpr (B::MIN) low[c][r] += mn[r][j] * xs[c * nb + blk];
-                }
-            }
+    __m256 acc[C];
+    for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < cols; b++) {
+        const uint8_t* at = w + b * BYTES;
+        for (int line = 0; line < BYTES; line += 64) _mm_prefetch((const char*)(at + 4 * BYTES + line), _MM_HINT_T0);
+        XBlock x[C];
+        for (int c = 0; c < C; c++) {
+            const int64_t row = c0 + c, first = b * (QK / 32);
+            x[c] = {in.xq + row * k + b * QK, in.dx + row * nb + first, in.xs + row * nb + first, in.i16 + 2 * (row * nb + first)};
         }
+        group_dot<T, C>(at, x, acc);
     }
-    for (int c = 0; c < C; c++)
-        for (int r = 0; r < R; r++) y[c * ldy + r] = hsum(acc[c][r]) - low[c][r] + (bias ? bias[r] : 0.f);
-}
-
-// One part's rows [0, n) into y's columns (y [m, ldy]); rows split over threads
-// The inputs of one call: x, its sums per 32, and (Q8X) its int8 form with a scale per 32
-struct Input {
-    const float *x, *xs, *dx;
-    const int8_t* xq;
-};
-
-template <int T, int R, int C>
-static void run_block(const Input& in, int64_t c, const uint8_t* w, int64_t rb, int64_t k, const float* bias, float* y,
-                      int64_t ldy) {
-    const int64_t nb = k / 32;
-    if constexpr (!Block<T>::FLOAT)
-        if (in.xq != nullptr)
-            return iblock<T, R, C>(in.xq + c * k, in.dx + c * nb, in.xs + c * nb, w, rb, k, bias, y, ldy);
-    block<T, R, C>(in.x + c * k, in.xs + c * nb, w, rb, k, bias, y, ldy);
+    const __m256 add = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+    for (int c = 0; c < C; c++) _mm256_storeu_ps(y + (c0 + c) * ldy, _mm256_add_ps(acc[c], add));
 }
 
 template <int T>
-static void part_gemv(const Input& in, int64_t m, const Part& p, int64_t k, const float* bias, float* y, int64_t ldy,
-                      int threads) {
-    const int64_t n = p.rows, rb = p.row_bytes;
-    const int64_t step = m == 1 ? 4 : 2, blocks = n / step;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (n * k * m >= 65536)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t r0 = b * step;
-        const float* bb = bias ? bias + r0 : nullptr;
-        const uint8_t* w = p.data + r0 * rb;
-        if (step == 4) { run_block<T, 4, 1>(in, 0, w, rb, k, bb, y + r0, ldy); continue; }
-        int64_t c = 0;
-        for (; c + 4 <= m; c += 4) run_block<T, 2, 4>(in, c, w, rb, k, bb, y + c * ldy + r0, ldy);
-        for (; c < m; c++) run_block<T, 2, 1>(in, c, w, rb, k, bb, y + c * ldy + r0, ldy);
+static void packed_gemv(const Input& in, int64_t m, const Part& p, int64_t k, const float* bias, float* y, int64_t ldy,
+                        int threads) {
+    const int64_t groups = p.rows / G, cols = k / Block<T>::QK, bytes = cols * Packed<T>::BYTES;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (p.rows * k * m >= 65536)
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t* w = p.data + g * bytes;
+        const float* bg = bias ? bias + g * G : nullptr;
+        for (int64_t c0 = 0; c0 < m; c0 += 4) {
+            switch (m - c0) {
+                case 1: group_rows<T, 1>(w, cols, in, c0, k, bg, y + g * G, ldy); break;
+                case 2: group_rows<T, 2>(w, cols, in, c0, k, bg, y + g * G, ldy); break;
+                case 3: group_rows<T, 3>(w, cols, in, c0, k, bg, y + g * G, ldy); break;
+                default: group_rows<T, 4>(w, cols, in, c0, k, bg, y + g * G, ldy);
+            }
+        }
     }
-    for (int64_t r = blocks * step; r < n; r++)
+    const uint8_t* tail = p.data + groups * bytes;
+    for (int64_t r = groups * G; r < p.rows; r++)
         for (int64_t c = 0; c < m; c++)
-            run_block<T, 1, 1>(in, c, p.data + r * rb, rb, k, bias ? bias + r : nullptr, y + c * ldy + r, ldy);
+            run_block<T, 1, 1>(in, c, tail + (r - groups * G) * p.row_bytes, p.row_bytes, k, bias ? bias + r : nullptr,
+                               y + c * ldy + r, ldy);
 }
 
+// Rows [r0, r0 + rows) of a packed part as fp32 (a group cut by the range goes through a buffer)
 template <int T>
-static void part_dequant(const Part& p, int64_t k, float* out, int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < p.rows; r++)
-        for (int64_t b = 0; b < k / Block<T>::QK; b++)
-            deq<T>(p.data + r * p.row_bytes + b * Block<T>::BYTES, out + r * k + b * Block<T>::QK);
+static void packed_dequant(const Part& p, int64_t r0, int64_t rows, int64_t k, float* out, int threads) {
+    constexpr int QK = Block<T>::QK;
+    const int64_t groups = p.rows / G, cols = k / QK, bytes = cols * Packed<T>::BYTES, end = r0 + rows;
+    const int64_t last = end < groups * G ? (end + G - 1) / G : groups;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (rows > G)
+    for (int64_t g = r0 / G; g < last; g++) {
+        const int64_t lo = g * G > r0 ? g * G : r0, hi = (g + 1) * G < end ? (g + 1) * G : end;
+        std::vector<float> buf(lo == g * G && hi == (g + 1) * G ? 0 : G * k);
+        float* dst = buf.empty() ? out + (lo - r0) * k : buf.data();
+        for (int64_t b = 0; b < cols; b++) group_deq<T>(p.data + g * bytes + b * Packed<T>::BYTES, dst + b * QK, k);
+        if (!buf.empty()) memcpy(out + (lo - r0) * k, buf.data() + (lo - g * G) * k, (hi - lo) * k * sizeof(float));
+    }
+    const uint8_t* tail = p.data + groups * bytes;
+    for (int64_t r = r0 > groups * G ? r0 : groups * G; r < end; r++)
+        for (int64_t b = 0; b < cols; b++)
+            deq<T>(tail + (r - groups * G) * p.row_bytes + b * Block<T>::BYTES, out + (r - r0) * k + b * QK);
 }
+
+// The part's rows packed into dst (dst null: the bytes it takes)
+template <int T>
+static int64_t pack_part(const Part& p, int64_t k, uint8_t* dst) {
+    const int64_t groups = p.rows / G, cols = k / Block<T>::QK, bytes = cols * Packed<T>::BYTES;
+    const int64_t tail = (p.rows - groups * G) * p.row_bytes;
+    if (dst == nullptr) return groups * bytes + tail;
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t b = 0; b < cols; b++) {
+            const uint8_t* src[G];
+            for (int r = 0; r < G; r++) src[r] = p.data + (g * G + r) * p.row_bytes + b * Block<T>::BYTES;
+            Packed<T>::pack(src, dst + g * bytes + b * Packed<T>::BYTES);
+        }
+    memcpy(dst + groups * bytes, p.data + groups * G * p.row_bytes, tail);
+    return groups * bytes + tail;
+}
+
+#define PACKED(type, call)                                                                    \
+    switch (type) {                                                                           \
+        case Q8_0: call(Q8_0); break;                                                         \
+        case Q4_0: call(Q4_0); break;                                                         \
+        case Q5_0: call(Q5_0); break;                                                         \
+        case Q4_K: call(Q4_K); break;                                                         \
+        case Q6_K: call(Q6_K); break;                                                         \
+    }
 
 #define DISPATCH(type, call)                                                                  \
     switch (type) {                                                                           \
@@ -177,7 +123,7 @@ static void part_dequant(const Part& p, int64_t k, float* out, int threads) {
 
 // x's 32-value blocks as int8 (xq) and scale (dx = max|x| / 127; the values rounded to nearest even), and the sums
 // (xs) of the values the products see: x's own, or with dx its rounded ones
-static void quantize_x(const float* x, int64_t blocks, int8_t* xq, float* dx, float* xs) {
+static void quantize_x(const float* x, int64_t blocks, int8_t* xq, float* dx, float* xs, int* i16) {
     for (int64_t i = 0; i < blocks; i++) {
         const float* v = x + 32 * i;
         float amax = 0.f, sum = 0.f;
@@ -186,14 +132,15 @@ static void quantize_x(const float* x, int64_t blocks, int8_t* xq, float* dx, fl
         if (dx == nullptr) continue;
         dx[i] = amax / 127.f;
         const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-        int isum = 0;
+        int isum[2] = {};
         for (int j = 0; j < 32; j += 8) {
             const __m256i n = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + j), inv));
             const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(n), _mm256_extracti128_si256(n, 1));
             _mm_storel_epi64((__m128i*)(xq + 32 * i + j), _mm_packs_epi16(w16, w16));
-            for (int t = 0; t < 8; t++) isum += xq[32 * i + j + t];
+            for (int t = 0; t < 8; t++) isum[j / 16] += xq[32 * i + j + t];
         }
-        xs[i] = dx[i] * isum;
+        i16[2 * i] = isum[0], i16[2 * i + 1] = isum[1];
+        xs[i] = dx[i] * (isum[0] + isum[1]);
     }
 }
 
@@ -202,16 +149,20 @@ static void gemv(const float* x, int64_t m, const Mat* w, const float* bias, flo
                  int threads, bool int8) {
     thread_local std::vector<float> xs, dx;
     thread_local std::vector<int8_t> xq;
+    thread_local std::vector<int> i16;
+    for (int64_t i = 0; i < w->parts; i++) int8 |= w->part[i].packed != 0;       // packed parts take int8 x only
     const int64_t blocks = m * (k / 32);
-    xs.resize(blocks), dx.resize(blocks), xq.resize(int8 ? m * k : 0);
-    quantize_x(x, blocks, xq.data(), int8 ? dx.data() : nullptr, xs.data());
-    const Input in = {x, xs.data(), dx.data(), int8 ? xq.data() : nullptr};
+    xs.resize(blocks), dx.resize(blocks), xq.resize(int8 ? m * k : 0), i16.resize(2 * blocks);
+    quantize_x(x, blocks, xq.data(), int8 ? dx.data() : nullptr, xs.data(), i16.data());
+    const Input in = {x, xs.data(), dx.data(), int8 ? xq.data() : nullptr, i16.data()};
     int64_t col = 0;
     for (int64_t i = 0; i < w->parts; i++) {
         const Part& p = w->part[i];
         const float* b = bias ? bias + col : nullptr;
 #define GEMV(T) part_gemv<T>(in, m, p, k, b, y + col, n, threads)
-        DISPATCH(p.type, GEMV)
+#define PGEMV(T) packed_gemv<T>(in, m, p, k, b, y + col, n, threads)
+        if (p.packed) PACKED(p.type, PGEMV) else DISPATCH(p.type, GEMV)
+#undef PGEMV
 #undef GEMV
         col += p.rows;
     }
@@ -247,12 +198,23 @@ void qdequant(const Mat* w, int64_t r0, int64_t rows, int64_t k, float* out, int
         const Part& p = w->part[i];
         if (r0 >= p.rows) { r0 -= p.rows; continue; }
         const int64_t take = rows < p.rows - r0 ? rows : p.rows - r0;
-        const Part sub = {p.data + r0 * p.row_bytes, p.type, take, p.row_bytes};
+        const Part sub = {p.data + r0 * p.row_bytes, p.type, take, p.row_bytes, 0};
 #define DEQ(T) part_dequant<T>(sub, k, out, threads)
-        DISPATCH(p.type, DEQ)
+#define PDEQ(T) packed_dequant<T>(p, r0, take, k, out, threads)
+        if (p.packed) PACKED(p.type, PDEQ) else DISPATCH(p.type, DEQ)
+#undef PDEQ
 #undef DEQ
         out += take * k, rows -= take, r0 = 0;
     }
+}
+
+// Part i of w with its rows packed into dst (cpu_packed.h); dst null: the bytes it takes (0: a type not packed)
+int64_t qpack(const Mat* w, int64_t i, int64_t k, uint8_t* dst) {
+    int64_t size = 0;
+#define PACK(T) size = pack_part<T>(w->part[i], k, dst)
+    PACKED(w->part[i].type, PACK)
+#undef PACK
+    return size;
 }
 
 // Rows ids[0..count) of w, out [count, k] (an embedding's lookup)

@@ -16,7 +16,7 @@ BLOCKS = {0: (32, 128), 1: (32, 64), 30: (32, 64), 8: (32, 34), 2: (32, 18), 6: 
 
 
 class Part(ctypes.Structure):
-    _fields_ = [("data", _P), ("type", _I), ("rows", _I), ("row_bytes", _I)]
+    _fields_ = [("data", _P), ("type", _I), ("rows", _I), ("row_bytes", _I), ("packed", _I)]
 
 
 class Mat(ctypes.Structure):
@@ -29,6 +29,7 @@ class CpuQuant:
                                                              ctypes.c_float, ctypes.c_int, _P])
         self.dequant_fn = cpu_build.bind(lib, "qdequant", [_P, _I, _I, _I, _P, ctypes.c_int])
         self.rows_fn = cpu_build.bind(lib, "qrows", [_P, _P, _I, _I, _P])
+        self.pack_fn = cpu_build.bind(lib, "qpack", [_P, _I, _I, _P], restype=_I)
 
     def fused(self, x: torch.Tensor, mat: Mat, n: int, k: int, bias: torch.Tensor | None, norm_ptr: int | None,
               eps: float, mode: int, residual: torch.Tensor | None) -> torch.Tensor:
@@ -43,6 +44,15 @@ class CpuQuant:
     def dequant(self, mat: Mat, first: int, rows: int, k: int) -> torch.Tensor:
         out = torch.empty((rows, k), dtype=torch.float32)
         self.dequant_fn(ctypes.byref(mat), first, rows, k, out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def pack(self, mat: Mat, i: int, k: int) -> torch.Tensor | None:
+        """Part i's bytes with its rows interleaved in groups of 8 (cpu_packed.h), or None for a type not packed."""
+        size = self.pack_fn(ctypes.byref(mat), i, k, None)
+        if size == 0:
+            return None
+        out = torch.empty(size, dtype=torch.uint8)
+        self.pack_fn(ctypes.byref(mat), i, k, out.data_ptr())
         return out
 
     def rows(self, mat: Mat, ids: torch.Tensor, k: int) -> torch.Tensor:
