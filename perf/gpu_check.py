@@ -3,10 +3,10 @@
     python -m perf.gpu_check [--dry-run] [--out DIR]      (perf/gpu_check.sh is the command to use)
 Sections: the environment; the kernel tests compiled for the device; greedy identity in fp32 against the CPU
 engine and transformers; bf16's first divergence from transformers; decode speed; the seed's hit-vs-miss
-measurement; the decode-attention microbenchmark; the device-memory share (gpu_memory_utilization). Each records
-ok, its error and its seconds in the JSON, and the goals it measured go into the table. --dry-run runs every
-section on the CPU on the tiny preset at tiny sizes (Triton through its interpreter), so the script is tested where
-there is no GPU.
+measurement; the decode-attention microbenchmark; the GGUF block GEMV's bandwidth; the device-memory share
+(gpu_memory_utilization). Each records ok, its error and its seconds in the JSON, and the goals it measured go into
+the table. --dry-run runs every section on the CPU on the tiny preset at tiny sizes (Triton through its
+interpreter), so the script is tested where there is no GPU.
 """
 from __future__ import annotations
 
@@ -43,15 +43,16 @@ class Sizes:
     batches: tuple[int, ...]
     iters: int
     blocks: int                   # num_kv_blocks of paged engines (0: sized by the engine)
-    kernel_tests: str             # pytest -k of tests/test_kernels.py ("": all)
+    kernel_tests: str             # pytest -k of the kernel tests ("": all)
     speed_attention: str          # the speed sections' engines (the dry run: torch's ops, not interpreted Triton)
+    quant_k: int                  # the block GEMV's weight: quant_k x quant_k
 
 
 FULL = Sizes("cuda", "auto", ("tiny", "small", "tiny-gemma3", "tiny-mistral"), 32, 120, "qwen2.5-0.5b", 64,
              "qwen2.5-0.5b", 256, 3, 471, 512,
-             (512, 2048, 8192), (1, 4), 50, 0, "", "auto")
+             (512, 2048, 8192), (1, 4), 50, 0, "", "auto", 4096)
 DRY = Sizes("cpu", "triton", ("tiny", "tiny-gemma3"), 4, 70, "tiny", 6, "tiny", 4, 1, 80, 4, (64,), (1,), 1, 16,
-            "switch or buckets or sliding_window", "reference")
+            "switch or buckets or sliding_window or mixed_parts", "reference", 256)
 
 
 def environment(s: Sizes) -> tuple[dict, list[dict]]:
@@ -77,7 +78,7 @@ def environment(s: Sizes) -> tuple[dict, list[dict]]:
 
 def kernel_tests(s: Sizes) -> tuple[dict, list[dict]]:
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "tests/test_kernels.py",
-           "tests/test_graphs.py"]
+           "tests/test_graphs.py", "tests/test_triton_quant.py"]
     if s.kernel_tests:
         cmd += ["-k", s.kernel_tests]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -120,7 +121,7 @@ def sections():
     return {"environment": environment, "kernel tests": kernel_tests,
             "greedy identity (fp32)": gpu_correct.greedy_identity, "bf16 divergence": gpu_correct.bf16_divergence,
             "decode speed": gpu_speed.decode_speed, "hit vs miss (the seed)": gpu_speed.hit_miss,
-            "decode attention": gpu_speed.attention, "memory share": memory_share}
+            "decode attention": gpu_speed.attention, "block GEMV": gpu_speed.quant_gemv, "memory share": memory_share}
 
 
 def distributions() -> list[str]:

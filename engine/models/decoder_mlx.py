@@ -10,9 +10,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from engine.models import quant_mlx
 from engine.models.config import ModelConfig
 from engine.models.decoder import inv_freq
 from engine.models.loader import shard_files
+from engine.models.quant_mlx import Quantized, Weight, fuse, matmul, rows
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 Attention = Callable[[int, mx.array, mx.array, mx.array], mx.array]
@@ -32,11 +34,11 @@ NONE = mx.zeros((1,))     # where the family has no such weight (never read: the
 
 @dataclass(slots=True)
 class Layer:
-    qkv_w: mx.array     # weights are `x @ w` operands, [in, out]
+    qkv_w: Weight       # `x @ w` operands [in, out], or a GGUF file's blocks (models/quant_mlx.py)
     qkv_b: mx.array
-    o_w: mx.array
-    gate_up: mx.array
-    down: mx.array
+    o_w: Weight
+    gate_up: Weight
+    down: Weight
     input_norm: mx.array
     post_norm: mx.array           # before the MLP
     q_norm: mx.array = NONE       # Qwen3, Gemma 3
@@ -53,15 +55,17 @@ def gelu_tanh(x: mx.array) -> mx.array:
 
 
 class DecoderMLX:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, mx.array], contiguous: bool | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, mx.array | Quantized],
+                 contiguous: bool | None = None) -> None:
         self.cfg = cfg
         if contiguous is None:
             contiguous = mx.default_device() == mx.cpu
         embed = weights["model.embed_tokens.weight"]
-        self.dtype = embed.dtype
-        # Tied: one copy serves both, and the embedding lookup takes columns of the head.
-        self.head = operand(embed if cfg.tie_word_embeddings else weights["lm_head.weight"], contiguous)
-        self.embed = None if cfg.tie_word_embeddings else embed
+        self.dtype = weights["model.norm.weight"].dtype
+        # Tied: one copy serves both, and the embedding lookup takes columns of the head (rows of quantized blocks).
+        head = embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        self.head = head if isinstance(head, Quantized) else operand(head, contiguous)
+        self.embed = None if cfg.tie_word_embeddings and isinstance(embed, mx.array) else embed
         self.norm = self.norm_weight(weights["model.norm.weight"])
         self.layers = [self.layer(cfg, f"model.layers.{i}.", weights, contiguous)
                        for i in range(cfg.num_hidden_layers)]
@@ -83,18 +87,18 @@ class DecoderMLX:
         """Gemma scales by (1 + w) in fp32: kept that way, so the norm is one fused call."""
         return (1.0 + w.astype(mx.float32)) if self.cfg.gemma_norms else w
 
-    def layer(self, cfg: ModelConfig, p: str, weights: dict[str, mx.array], contiguous: bool) -> Layer:
+    def layer(self, cfg: ModelConfig, p: str, weights: dict[str, mx.array | Quantized], contiguous: bool) -> Layer:
         w = lambda name: weights[p + name]   # noqa: E731
+        proj = lambda *names: fuse([w(n + ".weight") for n in names], lambda a: operand(a, contiguous))  # noqa: E731
         norms = (("post_attention_layernorm", "pre_feedforward_layernorm") if cfg.gemma_norms
                  else ("", "post_attention_layernorm"))
         out = Layer(
-            qkv_w=operand(mx.concatenate([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
-                                          w("self_attn.v_proj.weight")]), contiguous),
+            qkv_w=proj("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
             qkv_b=mx.concatenate([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"),
                                   w("self_attn.v_proj.bias")]) if cfg.qkv_bias else NONE,
-            o_w=operand(w("self_attn.o_proj.weight"), contiguous),
-            gate_up=operand(mx.concatenate([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), contiguous),
-            down=operand(w("mlp.down_proj.weight"), contiguous),
+            o_w=proj("self_attn.o_proj"),
+            gate_up=proj("mlp.gate_proj", "mlp.up_proj"),
+            down=proj("mlp.down_proj"),
             input_norm=self.norm_weight(w("input_layernorm.weight")),
             post_norm=self.norm_weight(w(norms[1] + ".weight")))
         if cfg.qk_norm:
@@ -139,7 +143,7 @@ class DecoderMLX:
         projection, q/k norms, RoPE; returns q, k, v as [T, heads, hd]."""
         cfg, t, nh, L = self.cfg, x.shape[0], self.cfg.num_attention_heads, Layer(*arrays)
         h = self.rms(x, L.input_norm)
-        qkv = mx.addmm(L.qkv_b, h, L.qkv_w) if cfg.qkv_bias else h @ L.qkv_w
+        qkv = matmul(h, L.qkv_w, L.qkv_b if cfg.qkv_bias else None)
         qk, v = mx.split(qkv, [self.qk_width], axis=-1)
         qk = qk.reshape(t, -1, cfg.head_dim)
         if cfg.qk_norm:
@@ -150,18 +154,18 @@ class DecoderMLX:
     def attn_out(self, x: mx.array, a: mx.array, arrays: tuple[mx.array, ...]) -> mx.array:
         """Post-attention half: output projection (and Gemma's norm of it), residual, norm, gated MLP, residual."""
         cfg, L = self.cfg, Layer(*arrays)
-        out = a.reshape(x.shape[0], -1) @ L.o_w
+        out = matmul(a.reshape(x.shape[0], -1), L.o_w)
         if cfg.o_bias:
             out = out + L.o_b
         if cfg.gemma_norms:
             out = self.rms(out, L.attn_out_norm)
         x = x + out
-        gate_up = self.rms(x, L.post_norm) @ L.gate_up
+        gate_up = matmul(self.rms(x, L.post_norm), L.gate_up)
         if cfg.mlp_bias:
             gate_up = gate_up + L.gate_up_b
         gate, up = mx.split(gate_up, 2, axis=-1)
         act = gelu_tanh(gate) if cfg.activation == "gelu_pytorch_tanh" else gate * mx.sigmoid(gate)
-        out = (act * up) @ L.down
+        out = matmul(act * up, L.down)
         if cfg.mlp_bias:
             out = out + L.down_b
         if cfg.gemma_norms:
@@ -173,7 +177,7 @@ class DecoderMLX:
         # prefill lengths vary too much to trace each one.
         small = ids.shape[0] <= COMPILED_TOKENS
         attn_in, attn_out = (self.attn_in_c, self.attn_out_c) if small else (self.attn_in, self.attn_out)
-        x = self.head[:, ids].T if self.embed is None else self.embed[ids]
+        x = self.head[:, ids].T if self.embed is None else rows(self.embed, ids, self.dtype)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         tables = self.rope_tables(positions)
@@ -183,7 +187,7 @@ class DecoderMLX:
         return self.rms(x, self.norm)
 
     def logits(self, hidden: mx.array) -> mx.array:
-        out = (hidden @ self.head).astype(mx.float32)
+        out = matmul(hidden, self.head).astype(mx.float32)
         cap = self.cfg.final_logit_softcapping
         return out if cap is None else mx.tanh(out / cap) * cap
 
@@ -193,10 +197,9 @@ def load_mlx(path: str | Path, dtype: str = "auto", contiguous: bool | None = No
     cfg = ModelConfig.from_dir(path)
     name = cfg.torch_dtype if dtype == "auto" else dtype
     target = DTYPES.get(name, mx.float32)
-    weights: dict[str, mx.array] = {}
-    if path.suffix == ".gguf":
-        from engine.models import gguf_file
-        weights = {k: mx.array(v.float().numpy()).astype(target) for k, v in gguf_file.tensors(path, cfg)}
+    weights: dict[str, mx.array | Quantized] = {}
+    if path.suffix == ".gguf":            # exact block types stay quantized, the rest float (models/quant_mlx.py)
+        weights = dict(quant_mlx.tensors(path, cfg, target))
     for file in () if path.suffix == ".gguf" else shard_files(path):
         weights.update({k: v.astype(target) for k, v in mx.load(str(file)).items()})
     return DecoderMLX(cfg, weights, contiguous)

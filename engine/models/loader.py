@@ -99,12 +99,15 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", quant
     gguf = path.suffix == ".gguf"
     if quantization != "none":
         return _quantized(path, cfg, dtype, quantization, kernel, int8)
-    # a quantized file on a CPU with the block kernels computes in fp32 from its blocks; elsewhere (or asked for
-    # bf16 / fp16) it is dequantized into the model dtype
-    keep = gguf and kernel is not None and dtype in ("auto", "float32") and gguf_file.quantized(path)
+    # a quantized file on a CPU with the block kernels, or on a CUDA device (kernels/triton_quant.py), computes in
+    # fp32 from its blocks; elsewhere (or asked for bf16 / fp16) it is dequantized into the model dtype
+    blocks_run = kernel is not None or torch.device(device).type == "cuda"
+    keep = gguf and blocks_run and dtype in ("auto", "float32") and gguf_file.quantized(path)
     torch_dtype = torch.float32 if keep else resolve_dtype(dtype, cfg)
     tensors = gguf_file.tensors(path, cfg, keep) if gguf else None
-    model = _build(path, cfg, load_state(path, torch_dtype, cfg.gemma_norms, tensors), kernel, device, int8)
+    # on a GPU x stays float (QLinear.int8 is the CPU kernels')
+    model = _build(path, cfg, load_state(path, torch_dtype, cfg.gemma_norms, tensors), kernel, device,
+                   int8 and kernel is not None)
     if gguf:
         gguf_file.close()
     return model

@@ -49,12 +49,14 @@ class QLinear(nn.Module):
     projection's weight to a GEMV passes it. `int8`: decode rounds x to int8 per 32 values for the dot products
     with quantized blocks (llama.cpp's way; the loader sets it from quantized_activations); else x stays fp32."""
     int8 = True
+    triton = False            # forward and rows through kernels/triton_quant.py, as where the blocks are on a GPU
 
     def __init__(self, parts: list[Blocks], bias: torch.Tensor | None, kernel: cpu_quant.CpuQuant) -> None:
         super().__init__()
         if len(parts) > 3:
             raise ValueError("model: a projection of more than three parts")
-        self.kinds = [(p.type, p.rows, p.data.shape[1]) for p in parts]
+        # per part: type, rows, bytes a row in the file's layout, bytes in all, whether packed (pack())
+        self.kinds = [(p.type, p.rows, p.data.shape[1], p.data.numel(), 0) for p in parts]
         self.blocks = nn.Parameter(torch.cat([p.data.reshape(-1) for p in parts]), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
         self.shape = torch.Size((sum(p.rows for p in parts), parts[0].k))
@@ -69,11 +71,24 @@ class QLinear(nn.Module):
         base = self.blocks.data_ptr()
         if self._mat is None or self._mat[0] != base:
             mat, offset = cpu_quant.Mat(len(self.kinds)), 0
-            for i, (kind, rows, row_bytes) in enumerate(self.kinds):
-                mat.part[i] = cpu_quant.Part(base + offset, kind, rows, row_bytes)
-                offset += rows * row_bytes
+            for i, (kind, rows, row_bytes, size, packed) in enumerate(self.kinds):
+                mat.part[i] = cpu_quant.Part(base + offset, kind, rows, row_bytes, packed)
+                offset += size
             self._mat = (base, mat)
         return self._mat[1]
+
+    def pack(self) -> None:
+        """Interleave the quantized parts' rows in groups of 8 for decode's integer GEMV (kernels/cpu_packed.h):
+        the same bytes, about 3x fewer instructions a weight. Packed parts take x in int8 only."""
+        pieces, mat, k = [], self.mat(), self.shape[1]
+        for i, (kind, rows, row_bytes, size, _) in enumerate(self.kinds):
+            packed = self.kernel.pack(mat, i, k)
+            start = sum(s for _, _, _, s, _ in self.kinds[:i])
+            pieces.append(self.blocks.data[start:start + size] if packed is None else packed)
+            if packed is not None:
+                self.kinds[i] = (kind, rows, row_bytes, packed.numel(), 1)
+        self.blocks = nn.Parameter(torch.cat(pieces), requires_grad=False)
+        self._mat = None
 
     def fused(self, x: torch.Tensor, bias: torch.Tensor | None = None, *, norm=None, act: str | None = None,
               residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -84,11 +99,22 @@ class QLinear(nn.Module):
                                  mode, None if residual is None else residual.contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.triton or self.blocks.device.type != "cpu":       # the Triton kernels; x stays float, no int8
+            from engine.kernels import triton_quant
+            n, k = self.shape
+            if x.shape[0] <= MAX_ROWS:
+                out = triton_quant.gemv(x, self.blocks, self.kinds, (n, k))
+            else:
+                out, step = torch.empty((x.shape[0], n), device=x.device), max(1, SLICE_BYTES // (4 * k))
+                for first in range(0, n, step):
+                    w = triton_quant.dequant(self.blocks, self.kinds, k, first, min(step, n - first))
+                    out[:, first:first + w.shape[0]] = x.float() @ w.T
+            return out if self.bias is None else out.add_(self.bias)
         if x.shape[0] <= MAX_ROWS:
             return self.fused(x, self.bias)
         n, k = self.shape
         dtype = prefill_dtype() if self.int8 else torch.float32
-        step = max(1, SLICE_BYTES // (4 * k))
+        step = max(8, SLICE_BYTES // (4 * k) // 8 * 8)          # whole groups of packed rows
         out, xd = torch.empty((x.shape[0], n), dtype=torch.float32), x.to(dtype)
         for first in range(0, n, step):
             rows = min(step, n - first)
@@ -97,6 +123,9 @@ class QLinear(nn.Module):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of w in fp32, [*ids.shape, k] (an embedding's lookup)."""
+        if self.triton or self.blocks.device.type != "cpu":
+            from engine.kernels import triton_quant
+            return triton_quant.take(self.blocks, self.kinds, self.shape[1], ids.reshape(-1)).view(*ids.shape, -1)
         return self.kernel.rows(self.mat(), ids, self.shape[1]).view(*ids.shape, self.shape[1])
 
 
@@ -141,4 +170,6 @@ def install(model: nn.Module, name: str, parts: list[Blocks], kernel: cpu_quant.
     old = getattr(owner, child)
     new = QLinear(parts, None if isinstance(old, nn.Embedding) else old.bias, kernel)
     new.int8 = int8
+    if int8 and kernel is not None:
+        new.pack()
     setattr(owner, child, QEmbedding(new) if isinstance(old, nn.Embedding) else new)
