@@ -6,6 +6,7 @@ from pathlib import Path
 
 from engine.models.presets import cached_model
 from perf import llama_peer
+from perf.common import prompt_ids
 
 
 def rows(preset: str, threads: int, tokens: int, repeats: int, kinds=("q8_0", "q4_k_m")) -> list[dict]:
@@ -29,4 +30,39 @@ def rows(preset: str, threads: int, tokens: int, repeats: int, kinds=("q8_0", "q
         size = Path(file).stat().st_size / 2**20
         rows += [paired_row("GGUF vs llama.cpp", f"{name} ({size:.0f} MiB) decode", decode, "gguf decode", True),
                  paired_row("GGUF vs llama.cpp", f"{name} 512-token prefill", prefill, "gguf prefill", True)]
+        agreement(Path(file), threads)
     return rows
+
+
+def agreement(file: Path, threads: int, prompts: int = 6, tokens: int = 32) -> dict[str, list[int]]:
+    """Per prompt, how many of the first `tokens` greedy tokens equal those of transformers loading the same file
+    (dequantized, fp32): Pagoda with int8 activations (the default) and with float32 ones, and llama.cpp (which
+    rounds x to 8 bits too). Printed; int8's goal is met when no prompt agrees less than llama.cpp's."""
+    import torch
+    import transformers
+
+    from engine import LLM, SamplingParams
+    from perf.gpu_correct import divergence, hf_greedy
+    ids = [prompt_ids(48, seed=500 + i) for i in range(prompts)]
+    from engine.models.config import ModelConfig
+    # the embedding's rows, not the tokenizer's count (transformers' reading), where a file pads one of them
+    hf = transformers.AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32,
+                                                           vocab_size=ModelConfig.from_dir(file).vocab_size)
+    want = [hf_greedy(hf.eval(), p, tokens) for p in ids]
+    del hf
+    agree = lambda got: [tokens if (d := divergence(g, w)) is None else d for g, w in zip(got, want)]  # noqa: E731
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    out = {}
+    for acts in ("int8", "float32"):
+        llm = LLM(model=str(file), quantized_activations=acts, num_threads=threads)
+        out[f"Pagoda {acts}"] = agree([o.token_ids for o in llm.generate(ids, [params] * len(ids))])
+        del llm
+    peer = llama_peer.Peer(file, threads)
+    try:
+        out["llama.cpp"] = agree([peer.greedy(p, tokens) for p in ids])
+    finally:
+        peer.close()
+    met = all(a >= b for a, b in zip(out["Pagoda int8"], out["llama.cpp"]))
+    print(f"{file.name}: greedy tokens equal to transformers' (of {tokens}, per prompt): "
+          + "; ".join(f"{k} {v}" for k, v in out.items()) + f"; int8 at least llama.cpp's on every prompt: {met}")
+    return out

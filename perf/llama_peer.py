@@ -118,10 +118,17 @@ class Peer:
 
     def run(self, prompt: list[int], tokens: int) -> tuple[float, list[float]]:
         """(TTFT in seconds, each token's arrival in seconds from the start) of one greedy run, EOS ignored."""
+        got = self._ask(prompt, tokens)
+        return got["ttft"], got["times"]
+
+    def greedy(self, prompt: list[int], tokens: int) -> list[int]:
+        """The greedy token ids after `prompt`, EOS ignored."""
+        return self._ask(prompt, tokens)["ids"]
+
+    def _ask(self, prompt: list[int], tokens: int) -> dict:
         self.proc.stdin.write(json.dumps({"prompt": prompt, "tokens": tokens}) + "\n")
         self.proc.stdin.flush()
-        got = self._read()
-        return got["ttft"], got["times"]
+        return self._read()
 
     def close(self) -> None:
         self.proc.stdin.close()

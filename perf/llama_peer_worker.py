@@ -2,7 +2,7 @@
 builds it): loads one GGUF and answers JSON lines on stdin, one run each, so both engines stay loaded and their
 runs alternate. Standalone on purpose: that environment has llama_cpp and nothing of this project.
 
-    {"prompt": [ids], "tokens": N}  ->  {"ttft": seconds, "times": [arrival of each token, seconds]}
+    {"prompt": [ids], "tokens": N}  ->  {"ttft": seconds, "times": [arrival of each token, seconds], "ids": [tokens]}
 """
 import json
 import sys
@@ -13,13 +13,14 @@ from llama_cpp import Llama
 
 def run(llm: Llama, prompt: list[int], tokens: int) -> dict:
     start = time.perf_counter()
-    times = []
+    times, ids = [], []
     # greedy (temp 0), every other sampler off; generate() never stops on EOS itself, so EOS is ignored
-    for _ in llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+    for token in llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
         times.append(time.perf_counter())
+        ids.append(int(token))
         if len(times) == tokens:
             break
-    return {"ttft": times[0] - start, "times": [t - start for t in times]}
+    return {"ttft": times[0] - start, "times": [t - start for t in times], "ids": ids}
 
 
 def main() -> None:

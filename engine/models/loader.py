@@ -1,6 +1,8 @@
 """Load a Hugging Face directory (single or sharded safetensors) of any supported family into the torch decoder."""
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import re
 from collections.abc import Iterable, Iterator
@@ -110,7 +112,18 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", quant
                    int8 and kernel is not None)
     if gguf:
         gguf_file.close()
+    trim()
     return model
+
+
+def trim() -> None:
+    """Hand the heap's free pages back to the OS (glibc keeps what loading freed: the file's parsed metadata, the
+    tensors' copies before packing, about as much as the weights again)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):          # not glibc
+        pass
 
 
 def _quantized(path: Path, cfg: ModelConfig, dtype: str, kind: str, kernel, int8: bool) -> Decoder:
@@ -121,7 +134,9 @@ def _quantized(path: Path, cfg: ModelConfig, dtype: str, kind: str, kernel, int8
     if dtype not in ("auto", "float32"):
         raise ValueError(f"quantization: {kind} computes in float32, got dtype {dtype}")
     state = load_state(path, torch.float32, cfg.gemma_norms, quant.quantized(safetensors(path), kind))
-    return _build(path, cfg, state, kernel, "cpu", int8)
+    model = _build(path, cfg, state, kernel, "cpu", int8)
+    trim()
+    return model
 
 
 def _build(path: Path, cfg: ModelConfig, state: dict, kernel, device: str, int8: bool) -> Decoder:
