@@ -97,6 +97,14 @@ def write(src: Path, out: Path, quant: str = "F32", template: str | None = None)
     return out
 
 
+def copy_metadata(reader, writer) -> None:
+    """A qwen2 file's geometry, tokenizer and file type from gguf-py's reader into a writer (to rewrite tensors)."""
+    for field in reader.fields.values():
+        if field.name.startswith(("qwen2.", "tokenizer.", "general.file_type")):
+            writer.add_key_value(field.name, field.contents(), field.types[0], field.types[-1]
+                                 if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+
+
 def rounded(array: np.ndarray, quant: str) -> np.ndarray:
     if quant == "F16":
         return array.astype(np.float16).astype(np.float32)

@@ -15,7 +15,7 @@ from engine.models.presets import cached_model
 from engine.runners.base import Row
 from tests.helpers import greedy, random_ids
 from tests.test_cpu_quant import blocks, dense
-from tests.test_gguf import rounded, write
+from tests.test_gguf import copy_metadata, rounded, write
 
 mx = pytest.importorskip("mlx.core")
 gguf = pytest.importorskip("gguf")
@@ -108,10 +108,7 @@ def mixed(tmp_path: Path) -> Path:
     f32, out = write(cached_model("small"), tmp_path / "small.gguf"), tmp_path / "mixed.gguf"
     reader, rng = gguf.GGUFReader(str(f32)), np.random.default_rng(0)
     w = gguf.GGUFWriter(str(out), "qwen2")
-    for field in reader.fields.values():
-        if field.name.startswith(("qwen2.", "tokenizer.", "general.file_type")):
-            w.add_key_value(field.name, field.contents(), field.types[0], field.types[-1]
-                            if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+    copy_metadata(reader, w)
     for t in reader.tensors:
         parts = t.name.split(".")
         kind = KINDS.get(parts[0] if len(parts) == 2 else parts[2]) if parts[-1] == "weight" else None
