@@ -8,17 +8,21 @@ from engine.models.presets import cached_model
 from perf import llama_peer
 from perf.common import prompt_ids
 
+FILES = (("qwen2.5-0.5b", "q8_0"), ("qwen2.5-0.5b", "q4_k_m"), ("llama3.2-1b", "q4_k_m"), ("qwen3-0.6b", "q4_k_m"))
+QUICK = (("tiny-qwen", "q8_0"), ("tiny-qwen", "q4_k_m"))
 
-def rows(preset: str, threads: int, tokens: int, repeats: int, kinds=("q8_0", "q4_k_m")) -> list[dict]:
-    """Pagoda / llama.cpp on the same GGUF file, made from the preset by llama.cpp's converter and quantizer (and
-    the registry's real Gemma 3 270M Q4_K_M where it can be had): decode and 512-token prefill. A goal is met when
-    every pair meets it."""
+
+def rows(files: tuple[tuple[str, str], ...], threads: int, tokens: int, repeats: int) -> list[dict]:
+    """Pagoda / llama.cpp on the same GGUF file, made from a preset (one per family llama.cpp converts) by
+    llama.cpp's converter and quantizer, and the registry's real Gemma 3 270M Q4_K_M where it can be had: decode and
+    512-token prefill, and each engine's greedy agreement with transformers. A goal is met when every pair meets it."""
     from perf.bench_peers import paired_row
     tree, why = llama_peer.build()
     if tree is None:
         print(f"GGUF rows left out: {why}")
         return []
-    files = [(f"{preset} {kind}", llama_peer.quantized(tree, cached_model(preset), kind, threads)) for kind in kinds]
+    files = [(f"{preset} {kind}", llama_peer.quantized(tree, cached_model(preset), kind, threads))
+             for preset, kind in files]
     try:
         from scripts.gemma3_270m import Unavailable, hf_dir
         files.append(("gemma-3-270m q4_k_m (real)", next(hf_dir().parent.glob("*.gguf"))))

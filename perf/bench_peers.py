@@ -222,8 +222,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                     "mlx-lm")]),
         ("llama.cpp", lambda: llama_cpp_rows("tiny-qwen" if args.quick else "qwen2.5-0.5b", t,
                                              16 if args.quick else 128, 2 if args.quick else 4)),
-        ("gguf", lambda: bench_gguf.rows("tiny-qwen" if args.quick else "qwen2.5-0.5b", t, 16 if args.quick else 128,
-                                         2 if args.quick else 4)),
+        ("gguf", lambda: bench_gguf.rows(bench_gguf.QUICK if args.quick else bench_gguf.FILES, t,
+                                         16 if args.quick else 128, 2 if args.quick else 4)),
         ("families", lambda: bench_families.rows(bench_families.QUICK if args.quick else bench_families.PRESETS, t,
                                                  16 if args.quick else 128, 1 if args.quick else 3)),
     ]
