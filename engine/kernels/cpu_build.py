@@ -2,7 +2,8 @@
 cache folder, loaded with ctypes. PAGODA_CPU_KERNELS=0 turns them off; torch's ops serve instead.
 
 It is built for the instruction set torch found on this CPU: AVX2 + FMA, or with AVX-512 too, whose 512-bit loads
-the GEMV uses (ATEN_CPU_CAPABILITY=avx2, torch's own switch, holds both to AVX2), and VNNI where the CPU has it."""
+the GEMV uses (ATEN_CPU_CAPABILITY=avx2, torch's own switch, holds both to AVX2), and with AVX-512 the VNNI and BF16
+extensions where the CPU has them."""
 from __future__ import annotations
 
 import ctypes
@@ -51,13 +52,23 @@ def vnni() -> bool:
     return "avx512_vnni" in cpu_flags()
 
 
-def build(target: str = "avx2") -> Path:
-    """The shared library for `target` (an ISAS key), compiled on first use into the cache folder under a name keyed
-    by source and flags."""
+def bf16() -> bool:
+    """Whether this CPU has AVX512-BF16 (the bf16 GEMV's vdpbf16ps, in the avx512 build)."""
+    return "avx512_bf16" in cpu_flags()
+
+
+def extensions(target: str) -> list[str]:
+    """The AVX-512 extensions the `target` build takes on this CPU: vnni, bf16 (none for avx2)."""
+    return [] if target != "avx512" else [name for name, has in (("vnni", vnni()), ("bf16", bf16())) if has]
+
+
+def build(target: str = "avx2", exts: list[str] | None = None) -> Path:
+    """The shared library for `target` (an ISAS key) with the AVX-512 extensions `exts` (default: this CPU's, see
+    extensions), compiled on first use into the cache folder under a name keyed by source and flags."""
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler ({cxx})")
-    flags = [*FLAGS, *ISAS[target], *(["-mavx512vnni"] if target == "avx512" and vnni() else [])]
+    flags = [*FLAGS, *ISAS[target], *(f"-mavx512{ext}" for ext in (extensions(target) if exts is None else exts))]
     key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join([cxx, *flags]).encode())
     out = cache_root() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if out.exists():
@@ -94,3 +105,12 @@ def library(target: str | None = None) -> ctypes.CDLL | None:
     except (OSError, RuntimeError) as e:
         log.warning("CPU kernels unavailable, torch's ops serve instead: %s", e)
         return None
+
+
+def described(target: str | None = None) -> str:
+    """The instruction sets the kernels are built for here, for a benchmark's line: "avx512+vnni+bf16", "avx2", or
+    why there are none."""
+    target = target or isa()
+    if not cpu_kernels():
+        return "none (PAGODA_CPU_KERNELS=0)"
+    return "none (no AVX2)" if target is None else "+".join([target, *extensions(target)])
