@@ -173,8 +173,8 @@ def cpu_build_ok() -> bool:
 @pytest.mark.parametrize("storage", ["paged", "dense"])
 def test_engine_routes_decode_to_the_kernels_and_generates_what_torch_does(gemv, family_dir, monkeypatch, dtype,
                                                                            storage):
-    """Paged decode runs every layer in one cpu_layers call; dense, whose rows each have a buffer of their own, the
-    six fused calls a layer (Layer.fused). Both decode what torch's ops decode."""
+    """Decode runs every layer in one cpu_layers call, over paged KV or dense (a buffer a row), and decodes what
+    torch's ops decode."""
     calls, fused, stacks = [], [], []
     real, real_fused, real_stack = cpu_gemv.CpuGemv.__call__, cpu_gemv.CpuGemv.fused, cpu_layers.CpuLayers.__call__
     monkeypatch.setattr(cpu_gemv.CpuGemv, "__call__", lambda self, x, w, b=None: calls.append(x.shape[0])
@@ -193,12 +193,9 @@ def test_engine_routes_decode_to_the_kernels_and_generates_what_torch_does(gemv,
     got = [o.token_ids for o in fast.generate(prompts, params)]
     assert fast.engine.runner.ops.name == "cpu" and model.stack is not None
     assert all(layer.kernels == (fast.engine.runner.gemv, model.norm.pointwise) for layer in model.layers)
-    layers = len(model.layers)
     assert calls and max(calls + fused + stacks) <= cpu_gemv.MAX_ROWS and len(calls) >= 23   # the head of each step
-    if storage == "paged":
-        assert CALLS["cpu"] > before and len(stacks) >= 23 and not fused      # every decode step, all layers at once
-    else:
-        assert len(fused) >= 23 * 4 * layers and not stacks                  # every projection of every step
+    assert len(stacks) >= 23 and not fused                                   # every decode step, all layers at once
+    assert CALLS["cpu"] > before or storage == "dense"
     monkeypatch.setenv("PAGODA_CPU_KERNELS", "0")
     plain = LLM(model=family_dir, dtype=dtype, max_batch_size=2, kv_storage=storage)
     assert plain.engine.runner.gemv is None and plain.engine.runner.ops.name == "reference"

@@ -1,7 +1,8 @@
-// Every layer of a paged decode step in one call, fp32 or bf16: per layer the fused calls of Layer.fused in
-// models/decoder.py (RMSNorm + QKV, q/k norms, RoPE, KV write + attention, o_proj (+ its norm) + residual,
-// RMSNorm + gate/up, gated activation + down (+ its norm) + residual), with no Python between them. The kernels are the ones the per-call path uses (cpu_gemv, cpu_pointwise,
-// cpu_attention), so both paths compute the same thing.
+// Every layer of a decode step in one call, fp32 or bf16, over paged KV or dense (a buffer per row): per layer the
+// fused calls of Layer.fused in models/decoder.py (RMSNorm + QKV, q/k norms, RoPE, KV write + attention, o_proj
+// (+ its norm) + residual, RMSNorm + gate/up, gated activation + down (+ its norm) + residual), with no Python
+// between them. The kernels are the ones the per-call path uses (cpu_gemv, cpu_pointwise, cpu_attention), so both
+// paths compute the same thing.
 #include <stdint.h>
 #include <vector>
 
@@ -96,12 +97,20 @@ struct Dims {
     float eps, scale;
 };
 
-// x [m, hidden] in and out; cos[i], ssin[i] [m, head_dim] (RoPE table i); slots [groups, m], tables
-// [groups, m, width] (group g's as for paged_decode), lens [m]
+// Dense KV: row c's own buffer [layers, 2 (K, V), caps[c], n_kv, head_dim] at bufs[c]. Each is one block of
+// caps[c] positions to paged_decode, the row's new token at its last position (lens[c] - 1).
+struct Dense {
+    void* const* bufs;
+    const int64_t* caps;
+};
+
+// x [m, hidden] in and out; cos[i], ssin[i] [m, head_dim] (RoPE table i); lens [m]; paged KV: slots [groups, m],
+// tables [groups, m, width] (group g's as for paged_decode); or dense KV where `dense` is set (the paged arguments
+// are then unused)
 template <typename T>
 static void run(const Weights* layers, const Dims* d, T* x, int64_t m, const T* const* cos, const T* const* ssin,
                 T* k_cache, T* v_cache, const int64_t* slots, const int64_t* tables, int64_t width,
-                const int64_t* lens, int threads) {
+                const int64_t* lens, const Dense* dense, int threads) {
     const int64_t hd = d->head_dim, q_n = d->heads * hd, kv_n = d->kv_heads * hd, qkv_n = q_n + 2 * kv_n;
     const int gemma = (d->mode & GEMMA_NORM) ? 1 : 0, act = (int)(d->mode & (SILU | GELU));
     thread_local std::vector<T> qkv, att, mid, gate_up, out;
@@ -117,9 +126,18 @@ static void run(const Weights* layers, const Dims* d, T* x, int64_t m, const T* 
             heads(qkv.data() + q_n, (const T*)w.k_norm, d->eps, m, d->kv_heads, qkv_n, hd, gemma);
         }
         rope(qkv.data(), cos[w.rope], ssin[w.rope], m, d->heads + d->kv_heads, qkv_n, hd);
-        attend(qkv.data(), qkv_n, k_cache + w.page * d->cache_layer, v_cache + w.page * d->cache_layer,
-               slots + w.group * m, tables + w.group * m * width, width, lens, m, d->heads, d->kv_heads, hd,
-               d->block_size, d->scale, w.window, att.data(), threads);
+        if (dense == nullptr) {
+            attend(qkv.data(), qkv_n, k_cache + w.page * d->cache_layer, v_cache + w.page * d->cache_layer,
+                   slots + w.group * m, tables + w.group * m * width, width, lens, m, d->heads, d->kv_heads, hd,
+                   d->block_size, d->scale, w.window, att.data(), threads);
+        } else {
+            for (int64_t c = 0; c < m; c++) {
+                const int64_t cap = dense->caps[c], slot = lens[c] - 1, block = 0;
+                T* kc = (T*)dense->bufs[c] + l * 2 * cap * kv_n;
+                attend(qkv.data() + c * qkv_n, qkv_n, kc, kc + cap * kv_n, &slot, &block, 1, lens + c, 1, d->heads,
+                       d->kv_heads, hd, cap, d->scale, w.window, att.data() + c * q_n, threads);
+            }
+        }
         if (w.attn_out_norm == nullptr) {        // mid = x + o_proj(att)
             project(w.o_q, att.data(), m, w.o_w, w.o_b, mid.data(), d->hidden, q_n, threads, nullptr, 0.f, q8, x);
         } else {                                 // mid = x + norm(o_proj(att))
@@ -143,12 +161,12 @@ static void run(const Weights* layers, const Dims* d, T* x, int64_t m, const T* 
 extern "C" {
 void decode_layers_f32(const Weights* layers, const Dims* d, float* x, int64_t m, const float* const* cos,
                        const float* const* ssin, float* k_cache, float* v_cache, const int64_t* slots,
-                       const int64_t* tables, int64_t width, const int64_t* lens, int threads) {
-    run(layers, d, x, m, cos, ssin, k_cache, v_cache, slots, tables, width, lens, threads);
+                       const int64_t* tables, int64_t width, const int64_t* lens, const Dense* dense, int threads) {
+    run(layers, d, x, m, cos, ssin, k_cache, v_cache, slots, tables, width, lens, dense, threads);
 }
 void decode_layers_bf16(const Weights* layers, const Dims* d, bf16* x, int64_t m, const bf16* const* cos,
                         const bf16* const* ssin, bf16* k_cache, bf16* v_cache, const int64_t* slots,
-                        const int64_t* tables, int64_t width, const int64_t* lens, int threads) {
-    run(layers, d, x, m, cos, ssin, k_cache, v_cache, slots, tables, width, lens, threads);
+                        const int64_t* tables, int64_t width, const int64_t* lens, const Dense* dense, int threads) {
+    run(layers, d, x, m, cos, ssin, k_cache, v_cache, slots, tables, width, lens, dense, threads);
 }
 }

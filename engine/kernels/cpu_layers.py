@@ -1,8 +1,8 @@
-"""Every layer of a paged decode step in one ctypes call (cpu_layers.cpp), fp32 or bf16.
+"""Every layer of a decode step in one ctypes call (cpu_layers.cpp), fp32 or bf16, over paged or dense KV.
 
 The per-layer fused path (Layer.fused in models/decoder.py) makes six C calls a layer, and the Python between them
 (module lookups, output tensors, the calls themselves) costs about 5 ms of a 0.5B step here. This makes one call
-for all of them; Layer.fused still serves dense KV, whose rows each have their own buffer.
+for all of them.
 """
 from __future__ import annotations
 
@@ -25,6 +25,17 @@ class Paged(NamedTuple):
     tables: torch.Tensor              # [groups, B, width] int64 block ids
     seq_lens: torch.Tensor            # [B] int64, the new token included
     scale: float
+
+
+class Dense(NamedTuple):
+    """What a dense decode step's attention needs (runners/torch/attention.py): each row's own buffer."""
+    buffers: list[torch.Tensor]       # row i's [layers, 2, capacity, n_kv, hd], contiguous
+    seq_lens: torch.Tensor            # [B] int64, the new token included (it is written at seq_lens[i] - 1)
+    scale: float
+
+
+class _Dense(ctypes.Structure):
+    _fields_ = [("bufs", _P), ("caps", _P)]
 
 
 POINTERS = ("qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b", "down_w", "down_b", "input_norm", "post_norm",
@@ -66,10 +77,11 @@ def _weights(layer, window: int, rope: int, group: int, page: int) -> Weights:
 
 
 class CpuLayers:
-    """`stack(x, tables, paged)`: x [m, hidden] through every layer of `layers` (the decoder's Layer modules),
-    each with its RoPE tables (tables[i] of layer i: at most two distinct ones), KV written and attended through
-    `paged` (layer i's KV: page pages[i] of the blocks of group groups[i]); returns the result in x's storage. It
-    holds the weights' addresses: the model that owns them holds it (Decoder.stack)."""
+    """`stack(x, tables, kv)`: x [m, hidden] through every layer of `layers` (the decoder's Layer modules), each
+    with its RoPE tables (tables[i] of layer i: at most two distinct ones), KV written and attended through `kv`:
+    Paged (layer i's KV: page pages[i] of the blocks of group groups[i]) or Dense (layer i's of each row's
+    buffer); returns the result in x's storage. It holds the weights' addresses: the model that owns them holds it
+    (Decoder.stack)."""
     max_rows = MAX_ROWS
 
     def __init__(self, lib: ctypes.CDLL, threads: int, layers, eps: float, windows: list[int] | None = None,
@@ -77,7 +89,7 @@ class CpuLayers:
         """`windows`: each layer's sliding window (0: none); `ropes`: which RoPE (0 or 1) each layer takes. The KV
         layout is one group until `use_layout`."""
         self.fns = {d: cpu_build.bind(lib, f"decode_layers_{n}", [_P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I, _P,
-                                                                   ctypes.c_int]) for d, n in DTYPES.items()}
+                                                                   _P, ctypes.c_int]) for d, n in DTYPES.items()}
         first = layers[0]
         windows, ropes = windows or [0] * len(layers), ropes or [0] * len(layers)
         self.second = ropes.index(1) if 1 in ropes else 0     # a layer whose tables are RoPE 1's
@@ -94,17 +106,25 @@ class CpuLayers:
         for w, g, p in zip(self.weights, groups, pages):
             w.group, w.page = g, p
 
-    def __call__(self, x: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]], paged: Paged) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]],
+                 kv: Paged | Dense) -> torch.Tensor:
         x = x.contiguous()
         pairs = [[t.contiguous() for t in tables[0]], [t.contiguous() for t in tables[self.second]]]
         cos = (_P * 2)(*(p[0].data_ptr() for p in pairs))
         signed_sin = (_P * 2)(*(p[1].data_ptr() for p in pairs))
-        k_cache = paged.k_cache
-        self.dims.block_size, self.dims.scale = k_cache.shape[2], paged.scale
-        self.dims.cache_layer = k_cache[0].numel()
+        self.dims.scale = kv.scale
+        if isinstance(kv, Dense):
+            bufs = (_P * len(kv.buffers))(*(b.data_ptr() for b in kv.buffers))
+            caps = (_I * len(kv.buffers))(*(b.shape[2] for b in kv.buffers))
+            self.fns[x.dtype](self.weights, ctypes.byref(self.dims), x.data_ptr(), x.shape[0], cos, signed_sin,
+                              None, None, None, None, 0, kv.seq_lens.data_ptr(), ctypes.byref(_Dense(
+                                  ctypes.addressof(bufs), ctypes.addressof(caps))), self.threads)
+            return x
+        k_cache = kv.k_cache
+        self.dims.block_size, self.dims.cache_layer = k_cache.shape[2], k_cache[0].numel()
         self.fns[x.dtype](self.weights, ctypes.byref(self.dims), x.data_ptr(), x.shape[0], cos, signed_sin,
-                          k_cache.data_ptr(), paged.v_cache.data_ptr(), paged.slots.data_ptr(),
-                          paged.tables.data_ptr(), paged.tables.shape[-1], paged.seq_lens.data_ptr(), self.threads)
+                          k_cache.data_ptr(), kv.v_cache.data_ptr(), kv.slots.data_ptr(), kv.tables.data_ptr(),
+                          kv.tables.shape[-1], kv.seq_lens.data_ptr(), None, self.threads)
         return x
 
 

@@ -187,7 +187,7 @@ class Decoder(nn.Module):
         self.rope_kinds = [cfg.layer_types[self.rope_of.index(i)] for i in range(len(specs))]
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.head_gemv = None
-        self.stack = None                 # paged decode on a CPU: every layer in one C call (kernels.cpu_layers)
+        self.stack = None                 # decode on a CPU: every layer in one C call (kernels.cpu_layers)
 
     def embed_scale(self, dtype: torch.dtype) -> float | None:
         """Gemma's sqrt(hidden_size), rounded to the model dtype first as transformers does."""
@@ -204,9 +204,10 @@ class Decoder(nn.Module):
         if scale is not None:
             x = x * scale
         tables = self.rope_tables(positions, x.dtype)
-        paged = getattr(attn, "paged", None)          # set on paged decode steps with the CPU attention kernel
-        if self.stack is not None and paged is not None and x.shape[0] <= self.stack.max_rows:
-            return self.norm.forward(self.stack(x, tables, paged))
+        # set on decode steps: paged (with the CPU attention kernel) or dense
+        kv = getattr(attn, "paged", None) or getattr(attn, "dense", None)
+        if self.stack is not None and kv is not None and x.shape[0] <= self.stack.max_rows:
+            return self.norm.forward(self.stack(x, tables, kv))
         for i, layer in enumerate(self.layers):
             x = layer.forward(i, x, tables[i], attn)
         return self.norm.forward(x)
@@ -235,7 +236,7 @@ class Decoder(nn.Module):
 
     def use_kernels(self, gemv, pointwise, stack=None) -> None:
         """Decode's layers (fp32 or bf16) through the fused C calls and the final norm through `pointwise`
-        (kernels.cpu_gemv, kernels.cpu_pointwise); paged decode's layers all in one call to `stack`
+        (kernels.cpu_gemv, kernels.cpu_pointwise); decode's layers all in one call to `stack`
         (kernels.cpu_layers) where given. None: torch's ops."""
         on = gemv is not None and pointwise is not None
         self.norm.pointwise = pointwise

@@ -5,7 +5,7 @@ import torch
 
 from engine.kernels import CALLS, KernelOps
 from engine.kernels import reference as ref
-from engine.kernels.cpu_layers import Paged
+from engine.kernels.cpu_layers import Dense, Paged
 from engine.kv.layout import Layout
 from engine.runners.base import Row, spans
 from engine.runners.torch.host import upload
@@ -64,7 +64,8 @@ def paged(ops: KernelOps, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: li
 
 
 def dense(buffers: dict[int, torch.Tensor], rows: list[Row], scale: float, windows: list[int] | None = None):
-    """Each buffer is [layers, 2, capacity, n_kv, hd]; attention reads a view of it, no copy."""
+    """Each buffer is [layers, 2, capacity, n_kv, hd]; attention reads a view of it, no copy. A decode step (one
+    token a row) carries `dense` too: what cpu_layers needs to run every layer in one call."""
     parts = [(o, n, start, buffers[r.buf]) for (o, n, start), r in zip(spans(rows), rows)]
 
     def attend(layer: int, q, k, v):
@@ -75,5 +76,7 @@ def dense(buffers: dict[int, torch.Tensor], rows: list[Row], scale: float, windo
             outs.append(ref.causal_attention(q[o:o + n], buf[layer, 0, :start + n], buf[layer, 1, :start + n],
                                              start, scale, windows[layer] if windows else 0))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+    if all(r.length == 1 for r in rows):
+        attend.dense = Dense([buf for *_, buf in parts], torch.tensor([r.start + 1 for r in rows]), scale)
     return attend
 
