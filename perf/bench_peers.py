@@ -13,8 +13,9 @@
    takes about a millisecond, so the serving path's fixed cost a token shows) and qwen2.5-0.5b
 6. the MLX runner vs mlx-lm generate (small)
 7. llama.cpp (llama-cpp-python, built here on first use: perf/llama_peer.py) on the same checkpoint converted by its
-   own convert_hf_to_gguf.py, same threads: fp32 and bf16 decode after a 64-token prompt, and prefill of a
-   512-token prompt (tokens / TTFT). Left out, with the reason, where it cannot be built.
+   own convert_hf_to_gguf.py, same threads: fp32 and bf16 decode after a 64-token prompt, paged KV and dense
+   (max_batch_size=1), and prefill of a 512-token prompt (tokens / TTFT); each row names the instruction sets each
+   engine's CPU kernels were built with. Left out, with the reason, where it cannot be built.
 8. GGUF files: Q8_0 and Q4_K_M made from qwen2.5-0.5b by llama.cpp's own converter and quantizer, and the
    registry's real Gemma 3 270M Q4_K_M, both engines reading the same file: decode and 512-token prefill
 9. every other family at its real geometry, bf16 decode, vs transformers and llama.cpp (perf/bench_families.py)
@@ -141,18 +142,23 @@ def mlx_vs_mlx_lm(preset: str, tokens: int, repeats: int) -> Pair:
 
 
 def llama_cpp_rows(preset: str, threads: int, tokens: int, repeats: int) -> list[dict]:
-    """Pagoda / llama.cpp, fp32 and bf16: decode and 512-token prefill; none (and the reason, printed) where
-    llama-cpp-python cannot be built here."""
+    """Pagoda / llama.cpp, fp32 and bf16: decode with paged KV (the default, max_batch_size 4) and dense
+    (max_batch_size=1), and 512-token prefill; each row names the instruction sets each engine's kernels were built
+    with here. None (and the reason, printed) where llama-cpp-python cannot be built."""
     tree, why = llama_peer.build()
     if tree is None:
         print(f"llama.cpp rows left out: {why}")
         return []
+    isa = f"{cpu_build.described()} / {llama_peer.instruction_sets()}"
     rows = []
     for dtype, short in (("float32", "fp32"), ("bfloat16", "bf16")):
         decode, prefill = llama_peer.compare(tree, cached_model(preset), dtype, threads, tokens, repeats)
-        rows += [paired_row("vs llama.cpp", f"{preset} {short} decode", decode, f"llama.cpp {short}"),
+        dense, _ = llama_peer.compare(tree, cached_model(preset), dtype, threads, tokens, repeats, prefill=0,
+                                      config={"max_batch_size": 1})
+        rows += [paired_row("vs llama.cpp", f"{preset} {short} decode, paged KV", decode, f"llama.cpp {short}"),
+                 paired_row("vs llama.cpp", f"{preset} {short} decode, dense KV", dense, f"llama.cpp {short}"),
                  paired_row("vs llama.cpp", f"{preset} {short} 512-token prefill", prefill, "llama.cpp prefill")]
-    return rows
+    return [{**r, "cpu": cpu_model(), "isa": isa} for r in rows]
 
 
 def row(section: str, what: str, pagoda: float, peer: float, goal: float, unit: str = "tok/s",
@@ -235,12 +241,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows += step()
     print(f"\nPagoda vs peers, {time.strftime('%Y-%m-%d')}, torch threads {t}"
           f"{' (quick: smoke only)' if args.quick else ''}")
-    isa = cpu_build.isa() or "none"
-    vnni = " + VNNI" if isa == "avx512" and cpu_build.vnni() else ""
-    print(f"CPU: {cpu_model()}; Pagoda's kernels built for {isa}{vnni}")
-    print(table(["section", "what", "pagoda", "peer", "ratio (range)", "goal", "met"],
+    print(f"CPU: {cpu_model()}; Pagoda's kernels built for {cpu_build.described()}")
+    print(table(["section", "what", "pagoda", "peer", "ratio (range)", "goal", "met", "CPU: built for (pagoda / peer)"],
                 [[r["section"], r["what"], f"{r['pagoda']:.1f}", f"{r['peer']:.1f}", ratio_text(r),
-                  f"{r['goal']:.2f}", "yes" if r["met"] else "NO"] for r in rows], left=2))
+                  f"{r['goal']:.2f}", "yes" if r["met"] else "NO", f"{r['cpu']}: {r['isa']}" if "isa" in r else ""]
+                 for r in rows], left=2))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_peers.json").write_text(json.dumps(rows, indent=2))

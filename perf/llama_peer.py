@@ -135,18 +135,33 @@ class Peer:
         self.proc.wait(timeout=60)
 
 
+def instruction_sets() -> str:
+    """The x86 vector extensions llama.cpp's CPU backend is built with here ("avx2+avx512+avx512_bf16"...), as its
+    llama_print_system_info names them; "?" where it cannot say."""
+    info = "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"
+    try:
+        done = subprocess.run([str(python()), "-c", info], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+    on = [f.split("=")[0].strip().lower() for f in done.stdout.split("|") if f.strip().endswith("= 1")]
+    return "+".join(n for n in on if n.startswith(("avx", "amx"))) or "?"
+
+
 def compare(tree: Path, model: Path, dtype: str, threads: int, tokens: int, repeats: int,
-            prefill: int = 512, file: Path | None = None) -> tuple[Pair, Pair]:
+            prefill: int = 512, file: Path | None = None, config: dict | None = None) -> tuple[Pair, Pair | None]:
     """Pagoda in process against llama.cpp on the same checkpoint, dtype and threads, in ABBA order, each side
     given the same prompts in turn (fresh ones, so neither reuses a cached prefix): (decode tok/s after a 64-token
-    prompt, prefill tok/s = prefill / TTFT of a `prefill`-token prompt). With `file` (a GGUF), both read that file."""
+    prompt, prefill tok/s = prefill / TTFT of a `prefill`-token prompt; None with prefill=0). With `file` (a GGUF),
+    both read that file; `config`: more of Pagoda's EngineConfig (max_batch_size=1: dense KV)."""
     peer = Peer(file or gguf(tree, model, dtype), threads, n_ctx=max(prefill, 64 + tokens) + 16)
-    engine = Engine(EngineConfig(model=str(file or model), dtype=dtype, num_threads=threads))
+    engine = Engine(EngineConfig(model=str(file or model), dtype=dtype, num_threads=threads, **(config or {})))
     try:
         greedy_run(engine, prompt_ids(64, seed=1), 8), peer.run(prompt_ids(64, seed=1), 8)        # warm-up
         ours, theirs = itertools.count(10), itertools.count(10)
         decode = median_pair(lambda: greedy_run(engine, prompt_ids(64, seed=next(ours)), tokens)[1],
                              lambda: decode_rate(peer.run(prompt_ids(64, seed=next(theirs)), tokens)[1]), repeats)
+        if not prefill:
+            return decode, None
         ours, theirs = itertools.count(1000), itertools.count(1000)
         ttft = median_pair(lambda: prefill / greedy_run(engine, prompt_ids(prefill, seed=next(ours)), 1)[0],
                            lambda: prefill / peer.run(prompt_ids(prefill, seed=next(theirs)), 1)[0], repeats)

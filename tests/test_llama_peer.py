@@ -3,11 +3,13 @@ reason, when llama-cpp-python cannot be built."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from engine.kernels import cpu_build
 from perf import bench_peers, llama_peer
-from perf.common import Pair
+from perf.common import Pair, cpu_model
 
 
 def test_a_peer_that_cannot_be_built_leaves_its_rows_out_with_the_reason(tmp_path, monkeypatch, capsys):
@@ -68,13 +70,34 @@ def test_compare_alternates_abba_with_the_same_prompts_and_rates_prefill_by_ttft
 def test_rows_name_dtype_and_measure_against_their_goals(monkeypatch):
     monkeypatch.setattr(llama_peer, "build", lambda: (Path("tree"), ""))
     monkeypatch.setattr(bench_peers, "cached_model", lambda preset: Path(preset))
+    monkeypatch.setattr(llama_peer, "instruction_sets", lambda: "avx2+avx512")
     pairs = {"float32": (Pair(10.5, 10.0, 1.05), Pair(900.0, 1000.0, 0.9)),
              "bfloat16": (Pair(20.0, 16.0, 1.25), Pair(1200.0, 1000.0, 1.2))}
-    monkeypatch.setattr(llama_peer, "compare", lambda tree, model, dtype, *a: pairs[dtype])
+    dense = {"float32": Pair(9.0, 10.0, 0.9), "bfloat16": Pair(17.0, 16.0, 1.06)}
+
+    def compare(tree, model, dtype, *a, prefill=512, config=None):
+        if config == {"max_batch_size": 1}:          # dense KV: decode only
+            assert prefill == 0
+            return dense[dtype], None
+        assert config is None
+        return pairs[dtype]
+    monkeypatch.setattr(llama_peer, "compare", compare)
     rows = bench_peers.llama_cpp_rows("qwen2.5-0.5b", 2, 128, 4)
     got = [(r["what"], r["ratio"], r["goal"], r["met"]) for r in rows]
-    assert got == [("qwen2.5-0.5b fp32 decode", 1.05, 1.1, False),
+    assert got == [("qwen2.5-0.5b fp32 decode, paged KV", 1.05, 1.1, False),
+                   ("qwen2.5-0.5b fp32 decode, dense KV", 0.9, 1.1, False),
                    ("qwen2.5-0.5b fp32 512-token prefill", 0.9, 1.0, False),
-                   ("qwen2.5-0.5b bf16 decode", 1.25, 1.0, True),
+                   ("qwen2.5-0.5b bf16 decode, paged KV", 1.25, 1.0, True),
+                   ("qwen2.5-0.5b bf16 decode, dense KV", 1.06, 1.0, True),
                    ("qwen2.5-0.5b bf16 512-token prefill", 1.2, 1.0, True)]
     assert {r["section"] for r in rows} == {"vs llama.cpp"}
+    assert {r["isa"] for r in rows} == {f"{cpu_build.described()} / avx2+avx512"}     # printed beside each row
+    assert {r["cpu"] for r in rows} == {cpu_model()}
+
+
+def test_llama_cpp_names_its_instruction_sets_from_its_system_info(monkeypatch):
+    info = "CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | FMA = 1 | AVX512 = 1 | AVX512_VNNI = 0 | AVX512_BF16 = 1 | REPACK = 1 |"
+    monkeypatch.setattr(llama_peer.subprocess, "run", lambda *a, **kw: SimpleNamespace(stdout=info))
+    assert llama_peer.instruction_sets() == "avx+avx2+avx512+avx512_bf16"
+    monkeypatch.setattr(llama_peer.subprocess, "run", lambda *a, **kw: SimpleNamespace(stdout=""))
+    assert llama_peer.instruction_sets() == "?"
