@@ -96,7 +96,8 @@ def test_rows_name_dtype_and_measure_against_their_goals(monkeypatch):
 
 
 def test_llama_cpp_names_its_instruction_sets_from_its_system_info(monkeypatch):
-    info = "CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | FMA = 1 | AVX512 = 1 | AVX512_VNNI = 0 | AVX512_BF16 = 1 | REPACK = 1 |"
+    info = ("CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | FMA = 1 | AVX512 = 1 | AVX512_VNNI = 0 | AVX512_BF16 = 1 | "
+            "REPACK = 1 |")
     monkeypatch.setattr(llama_peer.subprocess, "run", lambda *a, **kw: SimpleNamespace(stdout=info))
     assert llama_peer.instruction_sets() == "avx+avx2+avx512+avx512_bf16"
     monkeypatch.setattr(llama_peer.subprocess, "run", lambda *a, **kw: SimpleNamespace(stdout=""))

@@ -2,8 +2,9 @@
 
 Eager torch reads fp32 weights at about half the memory bandwidth in a one-row F.linear; this kernel reads them at
 close to it, and reads them once for up to MAX_ROWS rows. fp32 and bf16 (widened on load, or multiplied by
-AVX512-BF16's vdpbf16ps where the CPU has it; fp32 accumulation, one rounding on store, as torch's CPU GEMM does). ctypes drops the GIL for the call, so other Python threads
-(a server's responder) run while it streams the weights. PAGODA_CPU_KERNELS=0 turns it off.
+AVX512-BF16's vdpbf16ps where the CPU has it; fp32 accumulation, one rounding on store, as torch's CPU GEMM does).
+ctypes drops the GIL for the call, so other Python threads (a server's responder) run while it streams the weights.
+PAGODA_CPU_KERNELS=0 turns it off.
 """
 from __future__ import annotations
 
