@@ -9,6 +9,7 @@ if not torch.cuda.is_available():
     # Triton kernels run on CPU tensors through the interpreter; it must be set before they are defined.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from engine.kernels import cpu_gemv
 from engine.models.presets import make_model
 
 
@@ -48,3 +49,12 @@ def qwen_tiny_dir(tmp_path_factory) -> str:
 def qwen_dir(tmp_path_factory) -> str:
     """The qwen2.5-0.5b preset: Qwen2.5-0.5B's geometry and tokenizer, random weights."""
     return made(tmp_path_factory, "qwen2.5-0.5b")
+
+
+@pytest.fixture(scope="module")
+def gemv() -> cpu_gemv.CpuGemv:
+    """The CPU GEMV kernels on 2 threads, or the test skipped where they cannot run."""
+    kernel = cpu_gemv.load(threads=2)
+    if kernel is None:
+        pytest.skip("no x86 AVX2+FMA CPU or no C++ compiler: torch serves (the other tests here cover that)")
+    return kernel

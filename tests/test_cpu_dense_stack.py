@@ -7,19 +7,11 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.kernels import cpu_gemv, cpu_layers, cpu_pointwise, select
+from engine.kernels import cpu_layers, cpu_pointwise, select
 from engine.kernels.cpu_layers import Dense
 from engine.models.loader import load_model
 from engine.models.presets import make_model
 from tests.helpers import random_ids
-
-
-@pytest.fixture(scope="module")
-def gemv() -> cpu_gemv.CpuGemv:
-    kernel = cpu_gemv.load(threads=2)
-    if kernel is None:
-        pytest.skip("no x86 AVX2+FMA CPU or no C++ compiler")
-    return kernel
 
 
 @pytest.fixture(scope="module", params=["small", "tiny-gemma3"])

@@ -19,14 +19,6 @@ from tests.helpers import random_ids
 
 
 @pytest.fixture(scope="module")
-def gemv() -> cpu_gemv.CpuGemv:
-    kernel = cpu_gemv.load(threads=2)
-    if kernel is None:
-        pytest.skip("no x86 AVX2+FMA CPU or no C++ compiler: torch serves (the other tests here cover that)")
-    return kernel
-
-
-@pytest.fixture(scope="module")
 def small_dir(tmp_path_factory) -> str:
     return str(make_model("small", tmp_path_factory.mktemp("small"), seed=0))
 
