@@ -15,7 +15,8 @@ QUICK = (("tiny-qwen", "q8_0"), ("tiny-qwen", "q4_k_m"))
 def rows(files: tuple[tuple[str, str], ...], threads: int, tokens: int, repeats: int) -> list[dict]:
     """Pagoda / llama.cpp on the same GGUF file, made from a preset (one per family llama.cpp converts) by
     llama.cpp's converter and quantizer, and the registry's real Gemma 3 270M Q4_K_M where it can be had: decode and
-    512-token prefill, and each engine's greedy agreement with transformers. A goal is met when every pair meets it."""
+    512-token prefill, each engine's greedy agreement with transformers, and Pagoda's resident memory. A goal is
+    met when every pair meets it."""
     from perf.bench_peers import paired_row
     tree, why = llama_peer.build()
     if tree is None:
@@ -35,6 +36,7 @@ def rows(files: tuple[tuple[str, str], ...], threads: int, tokens: int, repeats:
         rows += [paired_row("GGUF vs llama.cpp", f"{name} ({size:.0f} MiB) decode", decode, "gguf decode", True),
                  paired_row("GGUF vs llama.cpp", f"{name} 512-token prefill", prefill, "gguf prefill", True)]
         agreement(Path(file), threads)
+        print(resident(Path(file), threads))
     return rows
 
 
@@ -70,3 +72,30 @@ def agreement(file: Path, threads: int, prompts: int = 6, tokens: int = 32) -> d
     print(f"{file.name}: greedy tokens equal to transformers' (of {tokens}, per prompt): "
           + "; ".join(f"{k} {v}" for k, v in out.items()) + f"; int8 at least llama.cpp's on every prompt: {met}")
     return out
+
+
+def resident(file: Path, threads: int) -> str:
+    """A fresh process's resident memory after loading the file (over what its imports hold), against the file and
+    the KV pool: the issue's goal is at most 1.25x the file plus the pool."""
+    import multiprocessing
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        load, request, kv = pool.apply(_resident, (str(file), threads))
+    size = file.stat().st_size / 2**20
+    return (f"{file.name}: resident after load {load:.0f} MiB over imports = {(load - kv) / size:.2f}x the file "
+            f"({size:.0f} MiB) + the KV pool ({kv:.0f} MiB); after a first request {(request - kv) / size:.2f}x")
+
+
+def _resident(file: str, threads: int) -> tuple[float, float, float]:
+    import torch  # noqa: F401  (imports first: they are the baseline)
+
+    from engine import LLM, SamplingParams
+    rss = lambda: next(int(line.split()[1]) for line in open("/proc/self/status")  # noqa: E731
+                       if line.startswith("VmRSS")) / 1024
+    base = rss()
+    llm = LLM(model=file, num_threads=threads)
+    load = rss() - base
+    runner = llm.engine.runner
+    caches = [getattr(runner, name, None) for name in ("k_cache", "v_cache")]
+    kv = sum(t.numel() * t.element_size() for t in caches if t is not None) / 2**20
+    llm.generate([prompt_ids(64, seed=1)], SamplingParams(max_tokens=8))
+    return load, rss() - base, kv

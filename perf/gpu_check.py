@@ -51,7 +51,7 @@ class Sizes:
 FULL = Sizes("cuda", "auto", ("tiny", "small", "tiny-gemma3", "tiny-mistral"), 32, 120, "qwen2.5-0.5b", 64,
              "qwen2.5-0.5b", 256, 3, 471, 512,
              (512, 2048, 8192), (1, 4), 50, 0, "", "auto", 4096)
-DRY = Sizes("cpu", "triton", ("tiny", "tiny-gemma3"), 4, 70, "tiny", 6, "tiny", 4, 1, 80, 4, (64,), (1,), 1, 16,
+DRY = Sizes("cpu", "triton", ("tiny-gemma3",), 4, 70, "tiny", 6, "tiny", 4, 1, 80, 4, (64,), (1,), 1, 16,
             "switch or buckets or sliding_window or mixed_parts", "reference", 256)
 
 

@@ -118,7 +118,7 @@ def test_silu_mul_holds_at_the_exponent_clamp_and_past_it(gemv):
 @pytest.mark.parametrize("t,heads,rotated,hd", [(1, 18, 16, 64), (3, 4, 3, 128), (2, 9, 8, 12)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_rotates_the_given_heads_in_place_as_rope_apply(gemv, t, heads, rotated, hd, dtype):
-    rope = Rope(hd, 256, RopeSpec(1e6))
+    rope = Rope(hd, RopeSpec(1e6))
     cos, signed_sin = rope.tables(torch.tensor([0, 77, 255][:t]), dtype)
     x = torch.randn(t, heads, hd).to(dtype)
     got = x.clone()

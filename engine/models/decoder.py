@@ -70,17 +70,20 @@ def inv_freq(spec: RopeSpec, head_dim: int) -> torch.Tensor:
 
 
 class Rope(nn.Module):
-    def __init__(self, head_dim: int, max_pos: int, spec: RopeSpec) -> None:
+    """cos and sin of position x inverse frequency, computed for each step's positions: a table over every position
+    would hold max_position_embeddings x head_dim x 8 bytes a RoPE (128 MiB for Gemma 3 270M's two)."""
+
+    def __init__(self, head_dim: int, spec: RopeSpec) -> None:
         super().__init__()
-        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq(spec, head_dim))
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        half = head_dim // 2
-        self.register_buffer("signed_sin", torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], -1), persistent=False)
+        with torch.device("cpu"):         # computed, even where the model is built on the meta device
+            self.register_buffer("inv_freq", inv_freq(spec, head_dim), persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin at each token's position, [T, 1, hd]: once per step, shared by the layers of a type."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.signed_sin[positions].unsqueeze(1).to(dtype)
+        freqs = positions.float()[:, None] * self.inv_freq
+        cos, sin = freqs.cos(), freqs.sin()
+        return (torch.cat([cos, cos], -1).unsqueeze(1).to(dtype),
+                torch.cat([-sin, sin], -1).unsqueeze(1).to(dtype))
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -91,7 +94,7 @@ class Rope(nn.Module):
 def ropes(cfg: ModelConfig) -> nn.ModuleDict:
     """A Rope per layer type; types with the same spec share one (and its tables each step)."""
     made: dict[RopeSpec, Rope] = {}
-    return nn.ModuleDict({kind: made.setdefault(spec, Rope(cfg.head_dim, cfg.max_position_embeddings, spec))
+    return nn.ModuleDict({kind: made.setdefault(spec, Rope(cfg.head_dim, spec))
                           for kind, spec in cfg.rope.items()})
 
 
@@ -177,7 +180,8 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # the weight given, so none is drawn: on the meta device torch's initialisers import torch._dynamo (and triton)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma_norms)
         self.ropes = ropes(cfg)

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from engine.kernels import cpu_quant
 from engine.models import gguf_file, hugepages, quant
 from engine.models.config import ModelConfig
-from engine.models.decoder import Decoder, ropes
+from engine.models.decoder import Decoder
 from engine.models.quant import Blocks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -153,7 +153,6 @@ def _build(path: Path, cfg: ModelConfig, state: dict, kernel, device: str, int8:
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ValueError(f"model: {path} lacks weights for {missing[:4]}")
-    model.ropes = ropes(cfg)
     model = model.to(device).eval()
     hugepages.pack(model)                 # CPU only: decode streams the weights every token
     return model

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,12 +16,14 @@ from engine.models.loader import load_model
 from engine.runners.base import Geometry, Row, Sampled, flatten, in_order, logprob_rows
 from engine.runners.torch import attention as torch_attention
 from engine.runners.torch import grammar, logprobs
-from engine.runners.torch.compiled import CompiledDecode
 from engine.runners.torch.graphs import GraphDecode, plain
 from engine.runners.torch.host import upload
 from engine.runners.torch.logprobs import DeviceLogprobs
 from engine.runners.torch.penalties import Penalties
 from engine.runners.torch.sampler import sample
+
+if TYPE_CHECKING:
+    from engine.runners.torch.compiled import CompiledDecode
 
 log = logging.getLogger("pagoda")
 
@@ -66,7 +69,7 @@ class TorchRunner:
         self.default_generator = torch.Generator(self.device).manual_seed(seed)
         self.tokens_computed = 0
         self.penalties = Penalties(self.vocab_size, self.device)
-        self.compiled: CompiledDecode | None = None
+        self.compiled: CompiledDecode | None = None     # (imported where asked for: inductor is ~140 MiB)
         # decode on a CPU (fp32, bf16): projections and logits through the bandwidth-bound GEMV, and layers as
         # fused C calls (norms, RoPE, SwiGLU and residuals folded in)
         self.gemv = None
@@ -105,6 +108,7 @@ class TorchRunner:
         if self.model.stack is not None:
             self.model.stack.use_layout(layout.group, layout.slot)
         if self.compile:
+            from engine.runners.torch.compiled import CompiledDecode
             self.compiled = CompiledDecode(self.model, self.k_cache, self.v_cache, self.scale, self.gemv, self.windows,
                                            layout)
         if self.use_graphs:
