@@ -81,23 +81,29 @@ def int8(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("kind", list(cpu_quant.TYPES))
 @pytest.mark.parametrize("m", [1, 3, 8])
-@pytest.mark.parametrize("acts", ["float32", "int8", "int8 packed"])
+@pytest.mark.parametrize("acts", ["float32", "int8", "int8 packed", "int16 packed"])
 def test_the_gemv_is_the_float_product_of_the_dequantized_blocks(kind, m, target, acts):
     """float32: with x itself; int8: with x rounded per 32 values (the float types always take x itself), from the
-    file's layout or from rows packed in groups of 8 (37 rows: 4 groups and 5 rows in the file's layout)."""
+    file's layout or from rows packed in groups of 8 (37 rows: 4 groups and 5 rows in the file's layout); int16: the
+    products of x's rounding and of its remainder's, summed."""
     b = blocks(kind, 37, 512, seed=2)
     bias = torch.randn(37)
     q = QLinear([b], bias, kernel(target))
-    q.int8 = acts != "float32"
-    if acts == "int8 packed":
+    q.int8, q.split = acts != "float32", acts.startswith("int16")
+    if acts.endswith("packed"):
         q.pack()
     x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
-    seen = int8(x) if q.int8 and not kind.startswith(("F", "BF")) else x
+    seen = [int8(x) if q.int8 and not kind.startswith(("F", "BF")) else x]
+    if q.split and seen[0] is not x:
+        seen.append(int8(x - seen[0]))
     w = dense(b).double()
-    want = seen.double() @ w.T + bias.double()
+    want = sum(s.double() for s in seen) @ w.T + bias.double()
     # within fp32 summation's bound: k ulps of the sum of |terms| (any order of summation meets it)
-    bound = 512 * 2.0 ** -24 * (seen.double().abs() @ w.abs().T + bias.double().abs())
-    assert ((q.forward(x).double() - want).abs() <= bound).all()
+    bound = 512 * 2.0 ** -24 * (sum(s.double().abs() for s in seen) @ w.abs().T + bias.double().abs())
+    got = q.forward(x).double()
+    assert ((got - want).abs() <= bound).all()
+    if len(seen) == 2:            # two digits: within 2^-14 of the sum of |terms| of the float product
+        assert ((got - (x.double() @ w.T + bias.double())).abs() <= 2.0 ** -14 * (x.double().abs() @ w.abs().T)).all()
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -125,8 +125,10 @@ def llama(tmp_path: Path) -> Path:
     return src
 
 
-@pytest.mark.parametrize("preset,quant", [("llama", "F32"), ("tiny", "F16"), ("tiny", "Q8_0")])
-def test_a_gguf_file_decodes_as_transformers_on_its_source(preset, quant, tmp_path):
+@pytest.mark.parametrize("preset,quant,acts", [("llama", "F32", "float32"), ("tiny", "F16", "float32"),
+                                               ("tiny", "Q8_0", "float32"), ("tiny", "Q8_0", "int16")])
+def test_a_gguf_file_decodes_as_transformers_on_its_source(preset, quant, acts, tmp_path):
+    """float32: x in fp32 against the blocks; int16: x as two int8 digits (prefill in fp32)."""
     src = llama(tmp_path) if preset == "llama" else cached_model(preset)
     file = write(src, tmp_path / f"{preset}.gguf", quant)
     prompt = random_ids(40, seed=3)
@@ -137,7 +139,7 @@ def test_a_gguf_file_decodes_as_transformers_on_its_source(preset, quant, tmp_pa
                 p.copy_(torch.from_numpy(rounded(p.numpy(), quant)))
     with torch.no_grad():
         want = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
-    got = LLM(model=str(file), dtype="float32", quantized_activations="float32").generate(prompt, greedy(12))
+    got = LLM(model=str(file), dtype="float32", quantized_activations=acts).generate(prompt, greedy(12))
     got = got[0].token_ids
     assert got == want[0, len(prompt):].tolist()
 

@@ -23,6 +23,7 @@ DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}       # the C functions'
 ACTS = {None: 0, "silu": 1, "gelu_pytorch_tanh": 2}           # a fused call's gated input (cpu_math.h's mode bits)
 GEMMA_NORM = 4
 Q8X = 8                                                       # blocks: x rounded to int8 (kernels/cpu_quant.cpp)
+Q16X = 16                                                     # with Q8X: x as two int8 digits (about 16 bits)
 
 
 class CpuGemv:

@@ -92,15 +92,15 @@ def load_state(path: Path, dtype: torch.dtype, gemma: bool = False,
 
 
 def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", quantization: str = "none",
-               int8: bool = True) -> Decoder:
+               acts: str = "int8") -> Decoder:
     """The model at `path` (a directory or a .gguf file); `quantization` (q8_0 | q4_0) quantizes a directory's
-    projections at load; `int8`: decode's products with blocks take x in int8 (QLinear.int8)."""
+    projections at load; `acts`: decode's x against blocks (quantized_activations: int8, int16, float32)."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     kernel = cpu_quant.load() if device == "cpu" else None
     gguf = path.suffix == ".gguf"
     if quantization != "none":
-        return _quantized(path, cfg, dtype, quantization, kernel, int8)
+        return _quantized(path, cfg, dtype, quantization, kernel, acts)
     # a quantized file on a CPU with the block kernels, or on a CUDA device (kernels/triton_quant.py), computes in
     # fp32 from its blocks; elsewhere (or asked for bf16 / fp16) it is dequantized into the model dtype
     blocks_run = kernel is not None or torch.device(device).type == "cuda"
@@ -109,7 +109,7 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "cpu", quant
     tensors = gguf_file.tensors(path, cfg, keep) if gguf else None
     # on a GPU x stays float (QLinear.int8 is the CPU kernels')
     model = _build(path, cfg, load_state(path, torch_dtype, cfg.gemma_norms, tensors), kernel, device,
-                   int8 and kernel is not None)
+                   acts if kernel is not None else "float32")
     if gguf:
         gguf_file.close()
     trim()
@@ -126,7 +126,7 @@ def trim() -> None:
         pass
 
 
-def _quantized(path: Path, cfg: ModelConfig, dtype: str, kind: str, kernel, int8: bool) -> Decoder:
+def _quantized(path: Path, cfg: ModelConfig, dtype: str, kind: str, kernel, acts: str) -> Decoder:
     """A safetensors model with its projections quantized into `kind` blocks (the embedding and head in Q8_0)."""
     if kernel is None:
         raise ValueError(f"quantization: {kind} runs on the CPU block kernels, which are not available here (a CUDA "
@@ -134,12 +134,12 @@ def _quantized(path: Path, cfg: ModelConfig, dtype: str, kind: str, kernel, int8
     if dtype not in ("auto", "float32"):
         raise ValueError(f"quantization: {kind} computes in float32, got dtype {dtype}")
     state = load_state(path, torch.float32, cfg.gemma_norms, quant.quantized(safetensors(path), kind))
-    model = _build(path, cfg, state, kernel, "cpu", int8)
+    model = _build(path, cfg, state, kernel, "cpu", acts)
     trim()
     return model
 
 
-def _build(path: Path, cfg: ModelConfig, state: dict, kernel, device: str, int8: bool) -> Decoder:
+def _build(path: Path, cfg: ModelConfig, state: dict, kernel, device: str, acts: str) -> Decoder:
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     elif "lm_head.weight" not in state:
@@ -149,7 +149,7 @@ def _build(path: Path, cfg: ModelConfig, state: dict, kernel, device: str, int8:
     blocks = {name: state.pop(name) for name in [n for n, v in state.items() if not isinstance(v, torch.Tensor)]}
     model.load_state_dict(state, strict=False, assign=True)
     for name, parts in blocks.items():
-        quant.install(model, name, parts if isinstance(parts, list) else [parts], kernel, int8)
+        quant.install(model, name, parts if isinstance(parts, list) else [parts], kernel, acts)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ValueError(f"model: {path} lacks weights for {missing[:4]}")

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from engine.kernels import cpu_build, cpu_quant
-from engine.kernels.cpu_gemv import ACTS, GEMMA_NORM, MAX_ROWS, Q8X
+from engine.kernels.cpu_gemv import ACTS, GEMMA_NORM, MAX_ROWS, Q8X, Q16X
 
 SLICE_BYTES = 8 << 20     # prefill: the fp32 slice of a weight dequantized per GEMM
 
@@ -47,8 +47,10 @@ class Blocks:
 class QLinear(nn.Module):
     """y = x @ w.T + bias, w [n, k] in blocks. It is its own `weight` (shape, dtype), so code that passes a
     projection's weight to a GEMV passes it. `int8`: decode rounds x to int8 per 32 values for the dot products
-    with quantized blocks (llama.cpp's way; the loader sets it from quantized_activations); else x stays fp32."""
+    with quantized blocks (llama.cpp's way; the loader sets it from quantized_activations); else x stays fp32.
+    `split` (with int8): x as two int8 digits, value and remainder, about 16 bits."""
     int8 = True
+    split = False
     triton = False            # forward and rows through kernels/triton_quant.py, as where the blocks are on a GPU
 
     def __init__(self, parts: list[Blocks], bias: torch.Tensor | None, kernel: cpu_quant.CpuQuant) -> None:
@@ -93,7 +95,8 @@ class QLinear(nn.Module):
     def fused(self, x: torch.Tensor, bias: torch.Tensor | None = None, *, norm=None, act: str | None = None,
               residual: torch.Tensor | None = None) -> torch.Tensor:
         """As CpuGemv.fused: of norm(x) or act(gate) * up, plus residual; for a decode step's rows."""
-        mode = ACTS[act] | (GEMMA_NORM if norm is not None and norm.gemma else 0) | (Q8X if self.int8 else 0)
+        mode = ACTS[act] | (GEMMA_NORM if norm is not None and norm.gemma else 0) | (Q8X if self.int8 else 0) | \
+            (Q16X if self.split else 0)
         return self.kernel.fused(x.contiguous(), self.mat(), *self.shape, bias,
                                  None if norm is None else norm.weight.data_ptr(), 0.0 if norm is None else norm.eps,
                                  mode, None if residual is None else residual.contiguous())
@@ -113,7 +116,7 @@ class QLinear(nn.Module):
         if x.shape[0] <= MAX_ROWS:
             return self.fused(x, self.bias)
         n, k = self.shape
-        dtype = prefill_dtype() if self.int8 else torch.float32
+        dtype = prefill_dtype() if self.int8 and not self.split else torch.float32
         step = max(8, SLICE_BYTES // (4 * k) // 8 * 8)          # whole groups of packed rows
         out, xd = torch.empty((x.shape[0], n), dtype=torch.float32), x.to(dtype)
         for first in range(0, n, step):
@@ -162,14 +165,15 @@ def quantized(tensors: Iterable[tuple[str, torch.Tensor]], kind: str) -> Iterato
             yield name, tensor
 
 
-def install(model: nn.Module, name: str, parts: list[Blocks], kernel: cpu_quant.CpuQuant, int8: bool = True) -> None:
-    """Put the blocks of parameter `name` (a Linear's or the Embedding's weight) in place of that module."""
+def install(model: nn.Module, name: str, parts: list[Blocks], kernel: cpu_quant.CpuQuant, acts: str = "int8") -> None:
+    """Put the blocks of parameter `name` (a Linear's or the Embedding's weight) in place of that module; `acts`:
+    decode's x against them (quantized_activations: int8, int16 or float32)."""
     path, _, _ = name.rpartition(".")
     parent, _, child = path.rpartition(".")
     owner = model.get_submodule(parent) if parent else model
     old = getattr(owner, child)
     new = QLinear(parts, None if isinstance(old, nn.Embedding) else old.bias, kernel)
-    new.int8 = int8
-    if int8 and kernel is not None:
+    new.int8, new.split = acts != "float32", acts == "int16"
+    if new.int8 and kernel is not None:
         new.pack()
     setattr(owner, child, QEmbedding(new) if isinstance(old, nn.Embedding) else new)

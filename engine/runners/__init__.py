@@ -13,7 +13,7 @@ def make_runner(config: "EngineConfig", model_dir: str) -> "ModelRunner":
         from engine.runners.torch.runner import TorchRunner
         return TorchRunner(model_dir, config.dtype, config.device, config.num_threads, config.attention,
                            config.compile, config.cuda_graphs, config.max_batch_size, config.sampling_seed,
-                           config.quantization, config.quantized_activations == "int8")
+                           config.quantization, config.quantized_activations)
     if config.runner == "mlx":
         try:
             from engine.runners.mlx.runner import MLXRunner

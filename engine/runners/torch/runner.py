@@ -44,13 +44,13 @@ class Step:
 class TorchRunner:
     def __init__(self, model_dir: str | Path, dtype: str = "auto", device: str = "auto", num_threads: int = 0,
                  attention: str = "auto", compile: bool = False, cuda_graphs: str = "false",
-                 max_batch_size: int = 4, seed: int = 0, quantization: str = "none", int8: bool = True) -> None:
+                 max_batch_size: int = 4, seed: int = 0, quantization: str = "none", acts: str = "int8") -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        self.model = load_model(model_dir, dtype, device, quantization, int8)
+        self.model = load_model(model_dir, dtype, device, quantization, acts)
         cfg = self.model.cfg
         self.dtype = self.model.embed.weight.dtype
         self.ops = kernels.select(attention, self.device.type, str(self.dtype).removeprefix("torch."),
