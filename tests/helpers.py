@@ -164,3 +164,16 @@ def triton_post(server, path: str, body: dict) -> tuple[int, bytes]:
             return resp.status, resp.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
+
+
+def stacked(model_dir, dtype, gemv):
+    """The model at `model_dir` in `dtype` (a torch dtype) with decode's CPU kernels: the GEMV, the pointwise ops and
+    every layer in one call (cpu_layers) on 2 threads."""
+    from engine.kernels import cpu_layers, cpu_pointwise
+    from engine.models.loader import load_model
+    model = load_model(model_dir, str(dtype).removeprefix("torch."))
+    model.use_gemv(gemv)
+    cfg = model.cfg
+    model.use_kernels(gemv, cpu_pointwise.load(), cpu_layers.load(2, model.layers, cfg.rms_norm_eps, cfg.windows,
+                                                                  model.rope_of))
+    return model

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from perf import bench_peers
+from perf import bench_peers, bench_roofline
 from perf.common import Pair, median_pair
 
 
@@ -36,7 +36,7 @@ def test_gemv_ceiling_reads_every_weight_matrix(tiny_dir, monkeypatch):
     seen = []
     real = torch.nn.functional.linear
     monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w, *a: seen.append(w.shape) or real(x, w, *a))
-    assert bench_peers.gemv_ceiling(engine, repeats=1) > 0
+    assert bench_roofline.gemv_ceiling(engine, repeats=1) > 0
     model = engine.runner.model
     per_pass = 4 * len(model.layers) + 1                  # qkv, o, gate_up, down per layer, and the lm_head
     assert len(seen) == 2 * per_pass and torch.Size(model.embed.weight.shape) in seen   # the head, [V, H]
@@ -74,7 +74,7 @@ def test_lookahead_row_switches_one_engine(tiny_dir, monkeypatch):
 
 def test_roofline_pairs_each_decode_run_with_its_own_ceilings(tiny_dir, monkeypatch):
     # each run's roofline: the faster of a plain and a huge-page probe (300, 100, 200 bytes/s)
-    huge = bench_peers.hugepages.supported()
+    huge = bench_roofline.hugepages.supported()
     probes = [300.0, 250.0, 80.0, 100.0, 200.0, 150.0] if huge else [300.0, 100.0, 200.0]
     events, rates, bandwidths = [], iter([0.0, 10.0, 20.0, 30.0]), iter(probes)          # 0.0: warm-up
 
@@ -89,12 +89,12 @@ def test_roofline_pairs_each_decode_run_with_its_own_ceilings(tiny_dir, monkeypa
     def fake_ceiling(engine, repeats=5, linear=None):
         events.append("pass")
         return 20.0
-    monkeypatch.setattr(bench_peers, "cached_model", lambda preset: tiny_dir)
-    monkeypatch.setattr(bench_peers, "greedy_run", fake_run)
-    monkeypatch.setattr(bench_peers, "sum_bandwidth", fake_bandwidth)
-    monkeypatch.setattr(bench_peers, "SUM_BYTES", 1 << 12)
-    monkeypatch.setattr(bench_peers, "gemv_ceiling", fake_ceiling)
-    rows = bench_peers.roofline_rows("tiny", 1, 4, 2)
+    monkeypatch.setattr(bench_roofline, "cached_model", lambda preset: tiny_dir)
+    monkeypatch.setattr(bench_roofline, "greedy_run", fake_run)
+    monkeypatch.setattr(bench_roofline, "sum_bandwidth", fake_bandwidth)
+    monkeypatch.setattr(bench_roofline, "SUM_BYTES", 1 << 12)
+    monkeypatch.setattr(bench_roofline, "gemv_ceiling", fake_ceiling)
+    rows = bench_roofline.rows("tiny", 1, 4, 2)
     sums = ["sum", "sum"] if huge else ["sum"]
     assert events == ["decode"] + [*sums, "decode", "pass", "pass"] * 3      # warm-up, then 3 interleaved runs
     from engine.config import EngineConfig

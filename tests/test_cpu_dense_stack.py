@@ -7,11 +7,10 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.kernels import cpu_layers, cpu_pointwise, select
+from engine.kernels import cpu_layers, select
 from engine.kernels.cpu_layers import Dense
-from engine.models.loader import load_model
 from engine.models.presets import make_model
-from tests.helpers import random_ids
+from tests.helpers import random_ids, stacked
 
 
 @pytest.fixture(scope="module", params=["small", "tiny-gemma3"])
@@ -24,11 +23,8 @@ def model_dir(request, tmp_path_factory) -> str:
 def test_dense_stack_computes_what_the_per_layer_calls_do(gemv, model_dir, dtype):
     """Three rows, each its own buffer of another capacity and at another length; the per-layer calls attend with
     the same kernel (a buffer's layer as one block), so the same bits and the same K/V written."""
-    model = load_model(model_dir, str(dtype).removeprefix("torch."))
-    model.use_gemv(gemv)
+    model = stacked(model_dir, dtype, gemv)
     cfg = model.cfg
-    model.use_kernels(gemv, cpu_pointwise.load(), cpu_layers.load(2, model.layers, cfg.rms_norm_eps, cfg.windows,
-                                                                  model.rope_of))
     g = torch.Generator().manual_seed(3)
     caps, lens = [8, 40, 64], [5, 17, 40]
     bufs = [torch.randn(cfg.num_hidden_layers, 2, cap, cfg.num_key_value_heads, cfg.head_dim,

@@ -15,7 +15,7 @@ from engine.kernels import CALLS, cpu_attention, cpu_gemv, cpu_layers, cpu_point
 from engine.models.config import RopeSpec
 from engine.models.decoder import Linear, RMSNorm, Rope
 from engine.models.presets import make_model
-from tests.helpers import random_ids
+from tests.helpers import random_ids, stacked
 
 
 @pytest.fixture(scope="module")
@@ -206,12 +206,8 @@ def test_all_layers_in_one_call_compute_what_the_per_layer_calls_do(gemv, family
     """cpu_layers against Layer.fused over the same caches, 3 rows at different lengths: the same kernels in the
     same order, so the same bits, and the same K/V written."""
     from engine.kernels.cpu_layers import Paged
-    from engine.models.loader import load_model
-    model = load_model(family_dir, str(dtype).removeprefix("torch."))
-    model.use_gemv(gemv)
+    model = stacked(family_dir, dtype, gemv)
     cfg = model.cfg
-    model.use_kernels(gemv, cpu_pointwise.load(), cpu_layers.load(2, model.layers, cfg.rms_norm_eps, cfg.windows,
-                                                                  model.rope_of))
     g = torch.Generator().manual_seed(7)
     shape = (cfg.num_hidden_layers, 12, 16, cfg.num_key_value_heads, cfg.head_dim)
     k_cache, v_cache = (torch.randn(*shape, generator=g).to(dtype) for _ in range(2))

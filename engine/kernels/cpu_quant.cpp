@@ -4,7 +4,7 @@
 // bf16's bytes. A projection may be several parts of different types stacked by rows (Q4_K_M keeps q and k in Q4_K
 // and v in Q6_K; qkv and gate/up are fused here).
 //
-// Two ways to multiply a quantized block (mode bit Q8X; with Q16X, x as two int8 rows, see gemv_split): with x in fp32 (the weights' integers widened to fp32: a
+// Two ways to multiply a quantized block (mode bit Q8X; with Q16X, x as two int8 digits, see gemv): with x in fp32 (the weights' integers widened to fp32: a
 // float matmul with the dequantized weights up to summation order), or, as llama.cpp does, with x rounded to int8
 // per 32 values (scale max|x| / 127) and integer dot products, which take a third of the instructions. The integer
 // form runs on rows packed in groups of 8 at load (cpu_packed.h), which takes a third again: decode is then bound
@@ -146,58 +146,51 @@ static void quantize_x(const float* x, int64_t blocks, int8_t* xq, float* dx, fl
     }
 }
 
+// y = x @ w^T (+ bias), w's parts one after another in y's columns; int8: x rounded to int8 for quantized parts.
+// split (Q16X; with int8, where no part is float): x as two int8 digits, its rounding (rows [0, m)) and the rounding
+// of what that left (rows [m, 2m), 1/254 of the first's scale), multiplied in one pass over w and summed: x to about
+// 16 bits for the int8 products' weight traffic and twice their arithmetic
 static void gemv(const float* x, int64_t m, const Mat* w, const float* bias, float* y, int64_t n, int64_t k,
-                 int threads, bool int8);
-
-// Q16X: x as two int8 input rows, its rounding and the rounding of what that left (a second digit, 1/254 of the
-// first's scale), multiplied in one pass over w and summed: x to about 16 bits for the int8 products' weight traffic
-// and twice their arithmetic
-static void gemv_split(const float* x, int64_t m, const Mat* w, const float* bias, float* y, int64_t n, int64_t k,
-                       int threads) {
-    thread_local std::vector<float> two, out;
-    thread_local std::vector<float> xs, dx;
+                 int threads, bool int8, bool split) {
+    thread_local std::vector<float> xs, dx, rows2, out;
     thread_local std::vector<int8_t> xq;
     thread_local std::vector<int> i16;
-    for (int64_t i = 0; i < w->parts; i++)
-        if (w->part[i].type == F32 || w->part[i].type == F16 || w->part[i].type == BF16)
-            return gemv(x, m, w, bias, y, n, k, threads, true);         // a float part would see both rows
-    const int64_t nb = k / 32;
-    two.resize(2 * m * k), out.resize(2 * m * n);
-    xs.resize(nb), dx.resize(nb), xq.resize(k), i16.resize(2 * nb);
-    for (int64_t c = 0; c < m; c++) {
-        const float* v = x + c * k;
-        float* hi = two.data() + 2 * c * k;
-        memcpy(hi, v, k * sizeof(float));
-        quantize_x(v, nb, xq.data(), dx.data(), xs.data(), i16.data());
-        for (int64_t j = 0; j < k; j++) hi[k + j] = v[j] - dx[j / 32] * xq[j];
+    for (int64_t i = 0; i < w->parts; i++) {
+        const int t = w->part[i].type;
+        int8 |= w->part[i].packed != 0;                  // packed parts take int8 x only
+        split &= t != F32 && t != F16 && t != BF16;      // a float part would see both digits as x
     }
-    gemv(two.data(), 2 * m, w, nullptr, out.data(), n, k, threads, true);
-    for (int64_t c = 0; c < m; c++)
-        for (int64_t j = 0; j < n; j++) y[c * n + j] = out[2 * c * n + j] + out[(2 * c + 1) * n + j] + (bias ? bias[j] : 0.f);
-}
-
-// y = x @ w^T (+ bias), w's parts one after another in y's columns; int8: x rounded to int8 for quantized parts
-static void gemv(const float* x, int64_t m, const Mat* w, const float* bias, float* y, int64_t n, int64_t k,
-                 int threads, bool int8) {
-    thread_local std::vector<float> xs, dx;
-    thread_local std::vector<int8_t> xq;
-    thread_local std::vector<int> i16;
-    for (int64_t i = 0; i < w->parts; i++) int8 |= w->part[i].packed != 0;       // packed parts take int8 x only
-    const int64_t blocks = m * (k / 32);
-    xs.resize(blocks), dx.resize(blocks), xq.resize(int8 ? m * k : 0), i16.resize(2 * blocks);
+    split &= int8;
+    const int64_t digits = split ? 2 : 1, blocks = m * (k / 32), rows = digits * m;
+    xs.resize(digits * blocks), dx.resize(digits * blocks), i16.resize(2 * digits * blocks);
+    xq.resize(int8 ? rows * k : 0);
     quantize_x(x, blocks, xq.data(), int8 ? dx.data() : nullptr, xs.data(), i16.data());
-    const Input in = {x, xs.data(), dx.data(), int8 ? xq.data() : nullptr, i16.data()};
+    const float* xf = x;
+    if (split) {
+        rows2.resize(2 * m * k), out.resize(2 * m * n);
+        memcpy(rows2.data(), x, m * k * sizeof(float));
+        float* rest = rows2.data() + m * k;
+        for (int64_t j = 0; j < m * k; j++) rest[j] = x[j] - dx[j / 32] * xq[j];
+        quantize_x(rest, blocks, xq.data() + m * k, dx.data() + blocks, xs.data() + blocks, i16.data() + 2 * blocks);
+        xf = rows2.data();
+    }
+    const Input in = {xf, xs.data(), dx.data(), int8 ? xq.data() : nullptr, i16.data()};
+    float* dst = split ? out.data() : y;
     int64_t col = 0;
     for (int64_t i = 0; i < w->parts; i++) {
         const Part& p = w->part[i];
-        const float* b = bias ? bias + col : nullptr;
-#define GEMV(T) part_gemv<T>(in, m, p, k, b, y + col, n, threads)
-#define PGEMV(T) packed_gemv<T>(in, m, p, k, b, y + col, n, threads)
+        const float* b = bias && !split ? bias + col : nullptr;
+#define GEMV(T) part_gemv<T>(in, rows, p, k, b, dst + col, n, threads)
+#define PGEMV(T) packed_gemv<T>(in, rows, p, k, b, dst + col, n, threads)
         if (p.packed) PACKED(p.type, PGEMV) else DISPATCH(p.type, GEMV)
 #undef PGEMV
 #undef GEMV
         col += p.rows;
     }
+    if (split)
+        for (int64_t c = 0; c < m; c++)
+            for (int64_t j = 0; j < n; j++)
+                y[c * n + j] = out[c * n + j] + out[(m + c) * n + j] + (bias ? bias[j] : 0.f);
 }
 
 extern "C" {
@@ -219,8 +212,7 @@ void qgemv_fused(const float* x, int64_t m, const Mat* w, const float* bias, flo
         }
         src = in.data();
     }
-    if ((mode & Q8X) && (mode & Q16X)) gemv_split(src, m, w, bias, y, n, k, threads);
-    else gemv(src, m, w, bias, y, n, k, threads, mode & Q8X);
+    gemv(src, m, w, bias, y, n, k, threads, mode & Q8X, mode & Q16X);
     if (residual != nullptr)
         for (int64_t i = 0; i < m * n; i++) y[i] += residual[i];
 }
