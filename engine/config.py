@@ -156,9 +156,17 @@ class ServeConfig:
     port: int = option(8080, "port to bind", low=0)
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on /v1/*")
     max_body_bytes: int = option(8 << 20, "refuse larger request bodies with 413", low=1)
+    enable_auto_tool_choice: bool = option(False, 'let chat requests leave tool calls to the model (tool_choice '
+                                           '"auto"; needs tool_call_parser)')
+    tool_call_parser: str | None = option(None, "the format tool calls are read in (auto: the chat template's)",
+                                          (None, "hermes", "llama3_json", "mistral", "auto"))
+    reasoning_parser: str | None = option(None, "return the text between <think> and </think> as message.reasoning",
+                                          (None, "qwen3", "deepseek_r1"))
 
     def __post_init__(self) -> None:
         validate(self)
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice: needs tool_call_parser")
 
 
 def choices(cls: type, name: str) -> tuple[str, ...]:
@@ -229,7 +237,9 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] 
         meta = f.metadata
         default = None if f.default is MISSING else f.default
         parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=argparse.SUPPRESS,
-                            choices=meta["choices"] or None, metavar=None if meta["choices"] else _metavar(f.type),
+                            choices=[c for c in meta["choices"] if c is not None] or None,
+                            metavar=None if meta["choices"] else _metavar(f.type),
+                            **({"nargs": "?", "const": True} if f.type == "bool" else {}),
                             help=f"{meta['help']} (default: {default}; env PAGODA_{f.name.upper()})")
 
 

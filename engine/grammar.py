@@ -9,6 +9,7 @@ json.dumps writes, valid JSON either way.
 from __future__ import annotations
 
 import json
+import re
 
 import xgrammar as xgr
 
@@ -86,6 +87,42 @@ def _json_grammar(schema: str) -> str:
     """The EBNF of a JSON schema, compact (no free whitespace), strings strictly JSON."""
     ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
     return ebnf.replace(_LOOSE_CHAR, _JSON_CHAR)
+
+
+def tool_calls(parser: str, tools: list[tuple[str, dict]], parallel: bool) -> str:
+    """The EBNF of tool_choice "auto": free text, and every call opened in the parser's format held to one of the
+    tools (its name, then arguments by its parameters' schema; compact JSON as above). Hermes' and Mistral's calls
+    open with a tag anywhere in the text (xgrammar's TagDispatch); Llama's answer is either calls or text."""
+    def lit(text: str) -> xgr.Grammar:
+        return xgr.Grammar.from_ebnf("root ::= " + json.dumps(text, ensure_ascii=False))
+
+    key = "parameters" if parser == "llama3_json" else "arguments"
+    one = xgr.Grammar.union(*[xgr.Grammar.concat(
+        lit(f'{{"name": {json.dumps(name, ensure_ascii=False)}, "{key}": '),
+        xgr.Grammar.from_ebnf(_json_grammar(json.dumps(schema))), lit("}")) for name, schema in tools])
+    if parser == "hermes":
+        group = xgr.Grammar.concat(lit("\n"), one, lit("\n</tool_call>"))
+        return _dispatch("<tool_call>", group, parallel)
+    sep = "; " if parser == "llama3_json" else ", "
+    group = xgr.Grammar.from_ebnf(f"root ::= call ({json.dumps(sep)} call)*\n{_renamed(str(one), 'call')}") \
+        if parallel else one
+    if parser == "llama3_json":
+        return f'root ::= calls | "" | [^{{] [^]*\n{_renamed(str(group), "calls")}'
+    return _dispatch("[TOOL_CALLS]", xgr.Grammar.concat(lit(" ["), group, lit("]")), parallel)
+
+
+def _dispatch(trigger: str, group: xgr.Grammar, parallel: bool) -> str:
+    loop = "true" if parallel else "false"
+    return (f"{_renamed(str(group), 'call_group')}root ::= TagDispatch(({json.dumps(trigger)}, call_group), "
+            f"loop_after_dispatch={loop}, excludes=())\n")
+
+
+_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[A-Za-z_][A-Za-z0-9_]*|.', re.S)
+
+
+def _renamed(ebnf: str, name: str) -> str:
+    """A grammar's text with its rule `root` called `name` (literals and character classes left alone)."""
+    return "".join(name if t == "root" else t for t in _TOKENS.findall(ebnf))
 
 
 def _vocab_type(tokenizer: Tokenizer) -> xgr.VocabType:

@@ -53,17 +53,27 @@ class Tokenizer:
             text = self.texts[token] = self.tok.decode([token], skip_special_tokens=False)
         return text
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **kwargs) -> str:
+        """As transformers renders it: its Jinja environment (loop controls, a tojson that keeps key order and
+        non-ASCII text), `tools` and a request's chat_template_kwargs (Qwen3's enable_thinking) passed through."""
         if not self.chat_template:
             raise ValueError("messages: this model's tokenizer_config.json has no chat_template")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
 
         def raise_exception(message: str) -> None:
             raise ValueError(f"messages: {message}")
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = tojson
         template = env.from_string(self.chat_template)
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.specials)
+        values = {**self.specials, **kwargs, "messages": messages, "add_generation_prompt": add_generation_prompt}
+        if tools:
+            values["tools"] = tools
+        return template.render(**values)
 
     def detokenizer(self, skip_special_tokens: bool = True) -> "Detokenizer":
         return Detokenizer(self, skip_special_tokens)

@@ -54,7 +54,8 @@ def serve(config: EngineConfig, options: ServeConfig) -> int:
     from engine.serving.client import make_client
     engine = make_client(config)
     name = engine.config.model_name
-    app = BodyLimit(create_app(engine, name, options.api_key), options.max_body_bytes)
+    app = BodyLimit(create_app(engine, name, options.api_key, options.tool_call_parser,
+                               options.enable_auto_tool_choice, options.reasoning_parser), options.max_body_bytes)
     logging.getLogger("pagoda").info("serving %s on http://%s:%d", name, options.host, options.port)
     try:
         uvicorn.run(app, host=options.host, port=options.port, log_level="warning", access_log=False,

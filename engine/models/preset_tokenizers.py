@@ -13,28 +13,94 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 LLAMA3_VOCAB = 128256
 QWEN25_TOKENS = 151665          # 151,643 BPE tokens + Qwen2.5's 22 added ones; Qwen3 added 4 more after them
 # Qwen2.5's chat format: a default system prompt when the conversation has none, each turn in <|im_start|> ...
-# <|im_end|>, the generation prompt opening the assistant's turn. (Its tool-calling section is left out: the server
-# refuses `tools`.)
-QWEN25_CHAT_TEMPLATE = (
-    "{%- if messages[0]['role'] != 'system' %}"
-    "{{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+# <|im_end|>, the generation prompt opening the assistant's turn; with tools, their signatures in the system turn,
+# an assistant's calls as <tool_call> JSON and tool results as <tool_response> in a user turn. Qwen3's: no default
+# system prompt, and enable_thinking=false closes an empty <think> block in the generation prompt.
+_TOOLS = (
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided "
+    "with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
 )
-CHAT_TEMPLATE = (             # ChatML without a system default: the trained tokenizers' presets, Qwen3's
+_TURNS = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) "
+    "or (message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>' + message.role }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}"
+    "{%- endif %}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+)
+QWEN25_CHAT_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content }}"
+    "{%- else %}{{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}{%- endif %}"
+    "{{- '\\n\\n' }}" + _TOOLS +
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}" + _TURNS +
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+QWEN3_CHAT_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}" + _TOOLS +
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}" + _TURNS +
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+CHAT_TEMPLATE = (             # ChatML without a system default: the trained tokenizers' presets
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-# Llama 3's turns (Llama 3.2 Instruct's template adds a dated system header and tool sections; left out)
+# Llama 3's turns (Llama 3.2 Instruct's template adds a dated system header; left out). With tools, as Llama 3.2's
+# own: an ipython environment in the system turn, the functions (JSON, indent 4) and the answer format before the
+# first user message, a call as {"name": ..., "parameters": ...}, a tool result as an ipython turn.
 LLAMA3_CHAT_TEMPLATE = (
     "{{- bos_token }}"
+    "{%- if tools %}"
+    "{%- if messages[0].role == 'system' %}{%- set system = messages[0].content | trim %}"
+    "{%- set messages = messages[1:] %}{%- else %}{%- set system = '' %}{%- endif %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\nEnvironment: ipython\\n\\n' + system + '<|eot_id|>' }}"
+    "{%- if messages | length == 0 %}{{- raise_exception('tools need a first user message to go in') }}{%- endif %}"
+    "{{- '<|start_header_id|>user<|end_header_id|>\\n\\nGiven the following functions, please respond with a JSON "
+    "for a function call with its proper arguments that best answers the given prompt.\\n\\nRespond in the format "
+    "{\"name\": function name, \"parameters\": dictionary of argument name and its value}.Do not use variables.\\n\\n' }}"
+    "{%- for t in tools %}{{- t | tojson(indent=4) }}{{- '\\n\\n' }}{%- endfor %}"
+    "{{- messages[0].content | trim + '<|eot_id|>' }}{%- set messages = messages[1:] %}"
+    "{%- endif %}"
     "{%- for message in messages %}"
+    "{%- if message.tool_calls %}"
+    "{%- for call in message.tool_calls %}{%- set fn = call.function %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n{\"name\": \"' + fn.name + '\", \"parameters\": ' }}"
+    "{{- fn.arguments | tojson }}{{- '}<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- elif message.role == 'tool' or message.role == 'ipython' %}"
+    "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + message.content + '<|eot_id|>' }}"
+    "{%- else %}"
     "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] + '<|eot_id|>' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
@@ -80,7 +146,7 @@ def qwen(qwen3: bool = False) -> PresetTokenizer:
     ids = {s: tok.token_to_id(s) for s in SPECIALS}
     return PresetTokenizer(tok, {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>",
                                  "pad_token": "<|endoftext|>", "bos_token": None,
-                                 "chat_template": CHAT_TEMPLATE if qwen3 else QWEN25_CHAT_TEMPLATE},
+                                 "chat_template": QWEN3_CHAT_TEMPLATE if qwen3 else QWEN25_CHAT_TEMPLATE},
                            [ids["<|im_end|>"], ids["<|endoftext|>"]])      # Qwen2.5-Instruct's, Qwen3's
 
 

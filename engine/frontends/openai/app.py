@@ -15,6 +15,8 @@ from engine.core.admission import Overloaded
 from engine.core.output import Delta
 from engine.frontends.openai.logprobs import Shaper, prompt
 from engine.frontends.openai.protocol import ChatCompletionRequest, CompletionRequest, usage
+from engine.frontends.openai.tool_parsers import PARSERS, guess
+from engine.frontends.openai.tools import Differ, Reader, ToolChoice, call_id, message
 from engine.serving.client import EngineClient
 from engine.serving.supervisor import EngineUnavailable, Health
 
@@ -55,9 +57,16 @@ SAMPLING_ECHO = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "n", "ignore_eos"}
 
 
-def create_app(engine: EngineClient, model_name: str, api_key: str | None = None) -> FastAPI:
+def create_app(engine: EngineClient, model_name: str, api_key: str | None = None, tool_parser: str | None = None,
+               auto_tools: bool = False, reasoning_parser: str | None = None) -> FastAPI:
+    """`tool_parser` (hermes | llama3_json | mistral | auto: the chat template's) reads tool calls; `auto_tools`
+    lets tool_choice "auto" (vLLM's --enable-auto-tool-choice); `reasoning_parser` (qwen3 | deepseek_r1)."""
     app = FastAPI(title="Pagoda")
     default_max = 16
+    if tool_parser == "auto":
+        tool_parser = guess(engine.tokenizer.chat_template)
+    if tool_parser is not None and tool_parser not in PARSERS:
+        raise ValueError(f"tool_call_parser: one of {', '.join(PARSERS)} or auto, got {tool_parser!r}")
 
     @app.middleware("http")
     async def check_key(request: Request, call_next):
@@ -96,21 +105,36 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
 
     def templated(body: ChatCompletionRequest) -> tuple[list[int] | None, JSONResponse | None]:
         """The chat's tokens, by the checkpoint's template (which writes any BOS itself: none added, as vLLM's
-        add_special_tokens=False for chat); else the 400 naming `messages`."""
+        add_special_tokens=False for chat) with the request's tools and chat_template_kwargs; else the 400."""
         try:
-            text = engine.tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
+            text = engine.tokenizer.apply_chat_template([m.template() for m in body.messages], tools=body.tools,
+                                                        **(body.chat_template_kwargs or {}))
             return engine.tokenizer.encode(text), None
-        except ValueError as e:
-            return None, error(400, str(e), "messages")
+        except (ValueError, TypeError) as e:
+            message = str(e) if str(e).startswith("messages") else f"messages: {e}"
+            return None, error(400, message, "messages")
+
+    def reader(body: ChatCompletionRequest) -> Reader:
+        """How the output reads back: tool calls by the request's tool_choice, reasoning apart (ValueError: 400)."""
+        choice = ToolChoice.of(body.tools, body.tool_choice, body.parallel_tool_calls, tool_parser, auto_tools)
+        if choice is not None and choice.mode in ("required", "named") and body.structure() is not None:
+            raise ValueError("tool_choice: give tools or a structured output (response_format, structured_outputs), "
+                             "not both")
+        thinking = (body.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+        return Reader(choice, tool_parser, reasoning_parser, thinking)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest):
+        try:
+            read = reader(body)
+        except ValueError as e:
+            return error(400, str(e), str(e).split(":", 1)[0])
         prompt, refused = templated(body)
         if refused:
             return refused
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
-        return await serve(body, prompt, "chat.completion", chat=True)
+        return await serve(body, prompt, "chat.completion", chat=True, read=read)
 
     # vLLM's render endpoints: a request's prompt as token ids, nothing generated. Cache-aware routers (the vLLM
     # project's router for kv_aware) ask for them to match a request against the blocks replicas report.
@@ -136,11 +160,17 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
                "token_offsets": None}
         return [out] if many else out
 
-    async def serve(body, prompt, kind: str, chat: bool):
+    async def serve(body, prompt, kind: str, chat: bool, read: Reader | None = None):
         if body.model != model_name:
             return error(400, f"model: {body.model!r} is not served here (serving {model_name!r})", "model")
         try:
             params = body.sampling(default_max)
+            if read is not None and read.choice is not None:
+                held = read.choice.structure(tool_parser)
+                if held is not None and params.structured_outputs is None:     # auto beside response_format: text
+                    params.structured_outputs = held
+                if read.choice.mode == "auto":         # the parsers read the tags special tokens spell
+                    params.skip_special_tokens = False
             stream = engine.generate(prompt, params)
             first = await anext(stream)        # validation errors surface here, before any byte is sent
         except EngineUnavailable as e:
@@ -156,13 +186,13 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
         choices = Choices(chat, params.logprobs, echoed)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if body.stream:
-            return StreamingResponse(sse(rid, kind, body, first, stream, chat, choices),
+            return StreamingResponse(sse(rid, kind, body, first, stream, chat, choices, read),
                                      media_type="text/event-stream")
-        out, failure = await whole(rid, kind, first, stream, chat, choices)
+        out, failure = await whole(rid, kind, first, stream, chat, choices, read)
         return error(500, failure, kind="server_error") if failure else JSONResponse(out)
 
     async def whole(rid: str, kind: str, first: Delta, stream: AsyncIterator[Delta], chat: bool,
-                    choices: Choices) -> tuple[dict, str | None]:
+                    choices: Choices, read: Reader | None) -> tuple[dict, str | None]:
         deltas = [first]
         while not deltas[-1].finished:
             deltas.append(await anext(stream))
@@ -177,7 +207,12 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
             positions = [p for d in seq for p in d.logprobs or ()]
             choice = {"index": index, "finish_reason": seq[-1].finish_reason, "token_ids": ids,
                       "logprobs": choices.logprobs(index, positions, ids)}
-            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+            if chat and read is not None and read.active:
+                view = read.view(text, final=True)
+                choice["message"] = message(view, [call_id(tool_parser) for _ in view.calls])
+                choice["finish_reason"] = read.finish(view, choice["finish_reason"])
+            else:
+                choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
             if not chat and first.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt(first.prompt_logprobs)
             out.append(choice)
@@ -189,9 +224,12 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
         return result, (failed.error or "request failed") if failed else None
 
     async def sse(rid: str, kind: str, body, first: Delta, stream: AsyncIterator[Delta], chat: bool,
-                  choices: Choices):
+                  choices: Choices, read: Reader | None):
         obj = "chat.completion.chunk" if chat else kind
         d, seen = first, {}
+        shaped = chat and read is not None and read.active
+        texts: dict[int, str] = {}
+        differs: dict[int, Differ] = {}
         try:
             while True:
                 if d.finish_reason == "error":       # then [DONE], as vLLM ends a stream after an error
@@ -201,7 +239,13 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
                 text = choices.text(d.index, d.text)
                 part = {"index": d.index, "finish_reason": d.finish_reason, "token_ids": d.token_ids,
                         "logprobs": choices.logprobs(d.index, d.logprobs, d.token_ids)}
-                part.update({"delta": {"content": text}} if chat else {"text": text})
+                if shaped:
+                    texts[d.index] = texts.get(d.index, "") + text
+                    view = read.view(texts[d.index], final=d.finished)
+                    part["delta"] = differs.setdefault(d.index, Differ(tool_parser)).delta(view)
+                    part["finish_reason"] = read.finish(view, d.finish_reason)
+                else:
+                    part.update({"delta": {"content": text}} if chat else {"text": text})
                 chunk = {"id": rid, "object": obj, "model": model_name, "choices": [part]}
                 if d.prompt_logprobs is not None:          # the first chunk, as vLLM sends them
                     (chunk if chat else part)["prompt_logprobs"] = prompt(d.prompt_logprobs)

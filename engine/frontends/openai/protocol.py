@@ -20,7 +20,6 @@ _IGNORED: set[tuple[str, ...]] = set()     # sets of unknown field names already
 # known, not honoured yet -> the values that ask for nothing
 NOT_YET: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1), "suffix": (None, ""),
-    "tools": (None, []), "tool_choice": (None, "none"),
 }
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -132,8 +131,43 @@ class CompletionRequest(_Sampling):
 
 
 class Message(BaseModel):
+    """A chat turn as the templates read it: text content (a list of text parts is joined), an assistant's
+    tool_calls (their JSON-string arguments parsed, as vLLM passes them), a tool result's tool_call_id."""
+    model_config = ConfigDict(extra="allow")
     role: str
-    content: str
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> Message:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: needed, unless an assistant message carries tool_calls")
+        return self
+
+    def template(self) -> dict[str, Any]:
+        out = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            if any(part.get("type") != "text" for part in self.content):
+                raise ValueError("messages: only text content parts are supported")
+            out["content"] = "".join(part.get("text", "") for part in self.content)
+        if out.get("reasoning_content") is not None and "reasoning" not in out:
+            out["reasoning"] = out.pop("reasoning_content")
+        for call in out.get("tool_calls", ()):
+            fn = call.get("function")
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                fn["arguments"] = arguments(fn["arguments"])
+        return out
+
+
+def arguments(text: str) -> Any:
+    """A tool call's arguments as the templates take them: the object its JSON text holds (else the text)."""
+    import json
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class ChatCompletionRequest(_Sampling):
@@ -141,6 +175,10 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def top_tokens(self) -> int | None:
         if self.top_logprobs and not self.logprobs:
