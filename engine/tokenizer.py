@@ -59,7 +59,8 @@ class Tokenizer:
         non-ASCII text), `tools` and a request's chat_template_kwargs (Qwen3's enable_thinking) passed through."""
         if not self.chat_template:
             raise ValueError("messages: this model's tokenizer_config.json has no chat_template")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
 
         def raise_exception(message: str) -> None:
             raise ValueError(f"messages: {message}")

@@ -154,9 +154,11 @@ def test_openai_stream_client_parses_sse():
 def test_bench_features_prints_each_feature_against_its_baseline(capsys):
     from perf import bench_features
     rows = bench_features.main(["--preset", "tiny", "--max-tokens", "12", "--repeats", "1"])
-    assert [r[0] for r in rows] == [*bench_features.FEATURES, "json schema", "json schema"]
-    assert rows[-1][1] == "json schema, lookahead off" and all(float(r[4]) > 0 for r in rows)
+    assert [r[0] for r in rows] == [*bench_features.FEATURES, "json schema", "json schema", 'tool_choice "auto"']
+    assert rows[-2][1] == "json schema, lookahead off" and all(float(r[4].split()[0]) > 0 for r in rows)
     assert "n=4 (aggregate)" in capsys.readouterr().out
+    only = bench_features.main(["--preset", "tiny", "--max-tokens", "4", "--repeats", "1", "--only", "tool"])
+    assert [r[0] for r in only] == ['tool_choice "auto"']
 
 
 def test_an_empty_perf_analyzer_export_is_run_again_on_fresh_prompts(tmp_path, monkeypatch, capsys):

@@ -59,7 +59,12 @@ def test_every_field_has_a_flag_with_help_and_choices():
         for f in fields(cls):
             action = actions[f.name]
             assert action.option_strings == [f"--{f.name.replace('_', '-')}"] and f.metadata["help"] in action.help
-            assert tuple(action.choices or ()) == f.metadata["choices"]
+            assert tuple(action.choices or ()) == tuple(c for c in f.metadata["choices"] if c is not None)
+    # a boolean flag alone means true, as vLLM's store_true flags (--enable-auto-tool-choice)
+    parser = argparse.ArgumentParser()
+    add_flags(parser, ServeConfig)
+    assert parser.parse_args(["--enable-auto-tool-choice"]).enable_auto_tool_choice is True
+    assert parser.parse_args(["--enable-auto-tool-choice", "false"]).enable_auto_tool_choice == "false"
 
 
 def test_flags_over_env_over_defaults():

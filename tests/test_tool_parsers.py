@@ -139,3 +139,29 @@ def test_parser_guessed_from_the_template():
     assert guess(LLAMA3_CHAT_TEMPLATE) == "llama3_json"
     assert guess("{{ messages }}") is None
     assert set(PARSERS) == {"hermes", "llama3_json", "mistral"}
+
+
+def test_templates_render_tools_as_transformers_does():
+    """The server's Jinja environment against transformers' apply_chat_template on the presets' templates: tools,
+    an assistant's tool_calls (arguments as the object, as the server passes them), tool results, and Qwen3's
+    enable_thinking from chat_template_kwargs."""
+    from tokenizers import Tokenizer as Bare
+    from tokenizers import models
+    from transformers import PreTrainedTokenizerFast
+
+    from engine.models.preset_tokenizers import QWEN3_CHAT_TEMPLATE
+    from engine.tokenizer import Tokenizer
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Zürich?"},
+            {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+                "name": "get_weather", "arguments": {"city": "Zürich"}}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": '{"temp": 21}'}]
+    for template in (QWEN25_CHAT_TEMPLATE, QWEN3_CHAT_TEMPLATE, LLAMA3_CHAT_TEMPLATE):
+        hf = PreTrainedTokenizerFast(tokenizer_object=Bare(models.BPE()), bos_token="<|begin_of_text|>")
+        hf.chat_template = template
+        ours = Tokenizer.__new__(Tokenizer)
+        ours.chat_template, ours.specials = template, {"bos_token": "<|begin_of_text|>"}
+        for messages, tools, kwargs in [(chat, TOOLS, {}), (chat[1:2], None, {}),
+                                        (chat, TOOLS, {"enable_thinking": False})]:
+            want = hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs)
+            assert ours.apply_chat_template(messages, tools=tools, **kwargs) == want
+            assert not tools or '"name": "get_weather"' in want and "Zürich" in want

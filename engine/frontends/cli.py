@@ -54,10 +54,10 @@ def serve(config: EngineConfig, options: ServeConfig) -> int:
     from engine.serving.client import make_client
     engine = make_client(config)
     name = engine.config.model_name
-    app = BodyLimit(create_app(engine, name, options.api_key, options.tool_call_parser,
-                               options.enable_auto_tool_choice, options.reasoning_parser), options.max_body_bytes)
-    logging.getLogger("pagoda").info("serving %s on http://%s:%d", name, options.host, options.port)
     try:
+        app = BodyLimit(create_app(engine, name, options.api_key, options.tool_call_parser,
+                                   options.enable_auto_tool_choice, options.reasoning_parser), options.max_body_bytes)
+        logging.getLogger("pagoda").info("serving %s on http://%s:%d", name, options.host, options.port)
         uvicorn.run(app, host=options.host, port=options.port, log_level="warning", access_log=False,
                     timeout_graceful_shutdown=5)       # then open streams are cut and their requests aborted
     finally:

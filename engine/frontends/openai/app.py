@@ -65,6 +65,9 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
     default_max = 16
     if tool_parser == "auto":
         tool_parser = guess(engine.tokenizer.chat_template)
+        if tool_parser is None:
+            raise ValueError("tool_call_parser: auto cannot tell the format from this model's chat template; name "
+                             f"one of {', '.join(PARSERS)}")
     if tool_parser is not None and tool_parser not in PARSERS:
         raise ValueError(f"tool_call_parser: one of {', '.join(PARSERS)} or auto, got {tool_parser!r}")
 

@@ -185,7 +185,8 @@ class Differ:
                 calls.append({"index": i, "id": self.ids[i], "type": "function",
                               "function": {"name": call.name, "arguments": call.arguments}})
             elif len(call.arguments) > len(self.sent.calls[i].arguments):
-                calls.append({"index": i, "function": {"arguments": call.arguments[len(self.sent.calls[i].arguments):]}})
+                grown = call.arguments[len(self.sent.calls[i].arguments):]
+                calls.append({"index": i, "function": {"arguments": grown}})
         if calls:
             out["tool_calls"] = calls
         self.sent = View(view.reasoning, view.content, [Call(c.name, c.arguments, c.done) for c in view.calls])
