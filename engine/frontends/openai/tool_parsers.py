@@ -87,6 +87,25 @@ def json_call(body: str, keys: tuple[str, ...] = ("arguments",)) -> Call | None:
     return call
 
 
+def calls(text: str, at: int, sep: str, keys: tuple[str, ...] = ("arguments",)) -> list[Call]:
+    """The calls of JSON objects one after another from text[at], `sep` and blanks between them."""
+    out = []
+    while True:
+        while at < len(text) and (text[at] in sep or text[at].isspace()):
+            at += 1
+        if at >= len(text) or text[at] != "{":
+            return out
+        end = value_end(text, at)
+        call = json_call(text[at:end], keys)
+        if call is None:
+            return out
+        call.done = call.done and end is not None
+        out.append(call)
+        if end is None:
+            return out
+        at = end
+
+
 class Hermes:
     name = "hermes"
     start, end = "<tool_call>", "</tool_call>"
@@ -120,22 +139,7 @@ class Llama3Json:
                 return Parsed("")
         if not stripped.startswith("{"):
             return Parsed(text)
-        out, at = Parsed(""), 0
-        while at < len(stripped):
-            end = value_end(stripped, at)
-            call = json_call(stripped[at:end], ("parameters", "arguments"))
-            if call is None:
-                break
-            call.done = call.done and end is not None
-            out.calls.append(call)
-            if end is None:
-                break
-            rest = stripped[end:].lstrip()
-            if not rest.startswith(";"):
-                break
-            rest = rest[1:].lstrip()
-            at = len(stripped) - len(rest)
-        return out
+        return Parsed("", calls(stripped, 0, ";", ("parameters", "arguments")))
 
 
 class Mistral:
@@ -148,21 +152,7 @@ class Mistral:
             return Parsed(held(text, self.tag, final))
         out, rest = Parsed(text[:first]), text[first + len(self.tag):].lstrip()
         if rest.startswith("["):                      # a JSON list of calls
-            at = 1
-            while True:
-                while at < len(rest) and rest[at] in " ,\n":
-                    at += 1
-                if at >= len(rest) or rest[at] != "{":
-                    break
-                end = value_end(rest, at)
-                call = json_call(rest[at:end])
-                if call is None:
-                    break
-                call.done = call.done and end is not None
-                out.calls.append(call)
-                if end is None:
-                    break
-                at = end
+            out.calls = calls(rest, 1, ",")
             return out
         for piece in rest.split(self.tag):               # name{arguments}, each after its own tag
             brace = piece.find("{")

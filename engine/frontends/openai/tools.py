@@ -18,7 +18,7 @@ from typing import Any
 
 from engine.core.structured import StructuredOutputs
 from engine.frontends.openai import reasoning
-from engine.frontends.openai.tool_parsers import PARSERS, Call, Parsed, json_call, value_end
+from engine.frontends.openai.tool_parsers import PARSERS, Call, Parsed, calls, value_end
 
 
 @dataclass(slots=True)
@@ -94,17 +94,7 @@ def forced(choice: ToolChoice, text: str) -> Parsed:
     if choice.mode == "named":
         end = value_end(text, 0) if text.startswith("{") else None
         return Parsed("", [Call(choice.name, text if end is None else text[:end], end is not None)])
-    out, at = Parsed(""), text.find("{")
-    while 0 <= at:
-        end = value_end(text, at)
-        body = text[at:end] if end is not None else text[at:]
-        call = json_call(body, ("parameters",))
-        if call is None:
-            break
-        call.done = call.done and end is not None
-        out.calls.append(call)
-        at = -1 if end is None else text.find("{", end)
-    return out
+    return Parsed("", calls(text, 1, ",", ("parameters",)) if text.startswith("[") else [])
 
 
 @dataclass(slots=True)
@@ -136,10 +126,10 @@ class Reader:
             parsed = PARSERS[self.parser].parse(answer, final)
         else:
             parsed = Parsed(answer)
-        calls = parsed.calls if self.choice is None or self.choice.parallel else parsed.calls[:1]
+        made = parsed.calls if self.choice is None or self.choice.parallel else parsed.calls[:1]
         if final:                # a call max_tokens cut short is not returned whole (a stream showed its start)
-            calls = [c for c in calls if c.done]
-        return View(thought, parsed.content.strip() if calls else parsed.content, calls)
+            made = [c for c in made if c.done]
+        return View(thought, parsed.content.strip() if made else parsed.content, made)
 
     def finish(self, view: View, reason: str | None) -> str | None:
         """vLLM's finish_reason: "tool_calls" once calls were made (not for a named function, which OpenAI ends
