@@ -1,0 +1,142 @@
+"""Speculative decoding's verify step: a sequence with k draft tokens rides in one decode step as k+1 rows of one
+position each (its last token, then each draft), every row sampled as if the tokens before it had come one at a
+time; the longest prefix of drafts equal to what was sampled is accepted, plus the token sampled after it.
+
+A draft x carries no probability, so accepting it when the sample at its position equals it accepts x with
+probability p(x) and otherwise keeps the sample, drawn from p without x renormalised: vLLM's rule for n-gram
+drafts, and the output distribution of decoding without speculation (greedy: the same tokens).
+
+Per sequence, drafting pays only while drafts are accepted: a round that accepts nothing makes the sequence skip
+the next 1, 2, 4 ... 32 chances to draft, and an accepting round resets that. Per step, the rows a step takes are
+capped (`rows`: what the decode kernels take in one call), so a full batch does not pay for drafts."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import TYPE_CHECKING
+
+from engine.core.ngram import Lookup, NgramConfig
+from engine.core.request import Request
+from engine.runners.base import Row
+
+if TYPE_CHECKING:
+    from engine.core.engine import Engine
+
+MAX_SKIP = 32
+
+
+@dataclass(slots=True)
+class Pace:
+    """One sequence's drafting rhythm: how many chances to skip next, and the skip after a failed round."""
+    skip: int = 0
+    backoff: int = 1
+
+
+class Speculator:
+    def __init__(self, config: NgramConfig, rows: int) -> None:
+        self.config, self.rows = config, rows
+        self.lookups: dict[int, Lookup] = {}
+        self.paces: dict[int, Pace] = {}
+
+    def step(self, eng: Engine) -> bool:
+        """This tick's decode as a verify step, when any request drafts (False: none does; decode as usual). The
+        step in flight is read first: drafts follow the latest token, and the step runs alone."""
+        batch = [r for r in eng.scheduler.decoding() if eng._wants_step(r)]
+        ready = self.ready(batch)
+        if not any(self._lookup(r).propose(r.prompt_ids, r.output_ids, 1) for r in ready):
+            return False                     # (without the token in flight: a guess that spares a drain)
+        for req, token, lp in eng.lookahead.drain():
+            eng._commit(req, token, lp)
+        batch = eng._reserve()
+        room = {r.id: min(r.params.max_tokens - len(r.output_ids), eng.max_model_len - r.seq_len) - 1 for r in batch}
+        drafts = self.drafts([r for r in ready if not r.finished], len(batch), room)
+        drafts = {i: d for i, d in drafts.items() if eng.kv.grow(eng.requests[i], eng.requests[i].num_allocated +
+                                                                 1 + len(d))}   # short of blocks: no drafts
+        if not drafts:
+            return False
+        started, rows, spans = time.thread_time(), [], []
+        for req in batch:
+            draft = drafts.get(req.id, [])
+            spans.append((req, draft, len(rows)))
+            rows += self._rows(eng, req, draft)
+            req.num_allocated += 1 + len(draft)
+        handle = eng.runner.forward(rows, None)
+        eng.runner.sample(handle)
+        sampled = eng.runner.fetch(handle)
+        eng.recorder.decode_tick(batch, time.thread_time() - started, 0)
+        logprobs = sampled.logprobs or [None] * len(rows)
+        for req, draft, at in spans:
+            got = sampled.tokens[at:at + len(draft) + 1]
+            took = next((i for i, (t, d) in enumerate(zip(got, draft)) if t != d), len(draft))
+            for token, lp in zip(got[:took + 1], logprobs[at:at + took + 1]):
+                req.num_computed += 1
+                eng._commit(req, token, lp)
+                if req.finished:
+                    break
+            if draft:
+                self.record(req, len(draft), took)
+                eng.recorder.speculated(req, len(draft), took)
+            if not req.finished:
+                req.uncounted += draft[:took] if req.params.penalized else []
+                if req.num_allocated > req.num_computed:           # the rejected drafts' positions
+                    eng.kv.trim(req, req.num_computed)
+                    req.num_allocated = req.num_computed
+        return True
+
+    @staticmethod
+    def _rows(eng: Engine, req: Request, draft: list[int]) -> list[Row]:
+        """The request's last token's row, then one per draft, each sampled as if the drafts before it were
+        output already (min_tokens, bad words, penalties)."""
+        first, p = eng._decode_row(req, -1), req.num_allocated
+        rows = [first]
+        for j, token in enumerate(draft, 1):
+            later = req.bad_words and req.bad_words.sequences and partial(req.bad_words.banned,
+                                                                          req.output_ids + draft[:j])
+            rows.append(replace(first, start=p + j, tokens=[token], slots=eng.kv.slots(req, p + j, p + j + 1),
+                                groups=eng.kv.groups(req, p + j, p + j + 1), fed_output=False, counted=(),
+                                ban=eng._ban(req, j), ban_later=later or None, drafts=tuple(draft[:j])))
+        return rows
+
+    def _lookup(self, req: Request) -> Lookup:
+        lookup = self.lookups.get(req.id)
+        if lookup is None:
+            lookup = self.lookups[req.id] = Lookup(self.config)
+        return lookup
+
+    def ready(self, batch: list[Request]) -> list[Request]:
+        """The requests that may draft this step (once per decode tick: the others' skips count down)."""
+        out = []
+        for req in batch:
+            pace = self.paces.get(req.id)
+            if pace is not None and pace.skip:
+                pace.skip -= 1
+            elif req.grammar is None:
+                out.append(req)
+        return out
+
+    def drafts(self, ready: list[Request], width: int, room: dict[int, int]) -> dict[int, list[int]]:
+        """Draft tokens per request id, for the ready requests that find any; `width`: the batch's rows without
+        drafts; `room`: how many tokens each request may still produce past the next one (max_tokens, context)."""
+        spare = self.rows - width
+        out: dict[int, list[int]] = {}
+        for req in ready:
+            k = min(self.config.k, spare, room.get(req.id, 0))
+            if k <= 0:
+                continue
+            draft = self._lookup(req).propose(req.prompt_ids, req.output_ids, k)
+            if draft:
+                out[req.id] = draft
+                spare -= len(draft)
+        return out
+
+    def record(self, req: Request, drafted: int, accepted: int) -> None:
+        pace = self.paces.setdefault(req.id, Pace())
+        if accepted:
+            pace.backoff = 1
+        elif drafted:
+            pace.skip, pace.backoff = pace.backoff, min(2 * pace.backoff, MAX_SKIP)
+
+    def release(self, req: Request) -> None:
+        self.lookups.pop(req.id, None)
+        self.paces.pop(req.id, None)

@@ -1,0 +1,83 @@
+"""N-gram speculation's configuration (vLLM's speculative_config) and its prompt-lookup proposer."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.core.ngram import Lookup, NgramConfig
+from engine.core.request import Request
+from engine.core.sampling import SamplingParams
+from engine.core.speculate import MAX_SKIP, Speculator
+
+
+def brute(ids: list[int], low: int, high: int, k: int) -> list[int]:
+    """The definition: the longest n in [low, high] whose last-n tokens occur earlier; their latest occurrence."""
+    for n in range(min(high, len(ids) - 1), low - 1, -1):
+        suffix = ids[-n:]
+        for end in range(len(ids) - 2, n - 2, -1):
+            if ids[end + 1 - n:end + 1] == suffix:
+                return ids[end + 1:end + 1 + k]
+    return []
+
+
+def test_proposals_match_the_definition_as_the_sequence_grows():
+    rng = random.Random(0)
+    for low, high in ((1, 1), (2, 4), (3, 5)):
+        prompt = [rng.randrange(6) for _ in range(60)]
+        lookup, output = Lookup(NgramConfig(4, low, high)), []
+        for _ in range(80):
+            assert lookup.propose(prompt, output, 4) == brute(prompt + output, low, high, 4)
+            output += [rng.randrange(6) for _ in range(rng.randrange(1, 4))]      # 1 to 3 tokens a step
+
+
+def test_a_copied_passage_is_proposed_and_nothing_without_a_match():
+    passage = list(range(100, 140))
+    lookup = Lookup(NgramConfig(5, 2, 3))
+    assert lookup.propose(passage + [1, 2], passage[:3], 5) == passage[3:8]
+    assert Lookup(NgramConfig(5, 2, 3)).propose(list(range(50)), [], 5) == []
+
+
+@pytest.mark.parametrize("value,config", [
+    ({"method": "ngram", "num_speculative_tokens": 4}, NgramConfig(4, 5, 5)),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}', NgramConfig(3, 4, 4)),
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+     NgramConfig(3, 2, 4)),
+    (None, None), ({}, None),
+])
+def test_config_as_vllm_reads_it(value, config):
+    assert NgramConfig.parse(value) == config
+
+
+@pytest.mark.parametrize("value,why", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "speculative_config.method: only"),
+    ({"method": "ngram"}, "speculative_config.num_speculative_tokens: needed"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens: expected an integer >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "speculative_config.model: not supported"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "prompt_lookup_min: 4 is above"),
+    ("{nope", "speculative_config: not valid JSON"),
+])
+def test_bad_config_names_the_key(value, why):
+    with pytest.raises(ValueError, match=why):
+        NgramConfig.parse(value)
+
+
+def test_drafting_backs_off_and_resumes():
+    """A round that accepts nothing skips the next 1, 2, 4 ... chances (up to MAX_SKIP); an accepted one resets."""
+    spec = Speculator(NgramConfig(3, 1, 1), rows=8)
+    req = Request(1, [5, 6, 7, 5, 6], SamplingParams())
+    assert spec.drafts(spec.ready([req]), 1, {1: 10}) == {1: [7, 5, 6]}
+    skips = []
+    for _ in range(6):
+        spec.record(req, 3, 0)
+        skipped = 0
+        while not spec.ready([req]):
+            skipped += 1
+        skips.append(skipped)
+    assert skips == [1, 2, 4, 8, 16, MAX_SKIP]
+    spec.record(req, 3, 2)
+    spec.record(req, 3, 0)
+    assert not spec.ready([req]) and spec.ready([req]) == [req]
+    assert spec.drafts([req], 7, {1: 10}) == {1: [7]}           # one row to spare in a step of 8
+    assert spec.drafts([req], 1, {1: 2}) == {1: [7, 5]}         # two tokens left before max_tokens
