@@ -54,6 +54,9 @@ class EngineConfig:
     prompt_cache: bool = option(True, "reuse the KV of earlier requests' prefixes")
     prompt_cache_bytes: int = option(512 << 20, "dense storage: bound of the store of finished buffers", low=0)
     lookahead: bool = option(True, "launch decode step n+1 before reading step n (PAGODA_FORCE_SYNC=1 overrides)")
+    speculative_config: str | None = option(None, "n-gram speculative decoding, as vLLM's JSON object: {\"method\": "
+                                            "\"ngram\", \"num_speculative_tokens\": K, \"prompt_lookup_min\": N, "
+                                            "\"prompt_lookup_max\": M} (off by default)")
     prefill_chunk: int = option(512, "prompt tokens prefilled per step, over all requests", low=1)
     max_queue: int = option(256, "requests waiting before new ones are refused (HTTP 429, Triton UNAVAILABLE)",
                             low=1)
@@ -96,6 +99,8 @@ class EngineConfig:
         if self.max_logprobs > 20:
             raise ValueError(f"max_logprobs: this server returns at most 20 logprobs a position, got "
                              f"{self.max_logprobs}")
+        from engine.core.ngram import NgramConfig
+        NgramConfig.parse(self.speculative_config)             # names a bad key before any weight loads
         if self.quantization != "none" and self.runner != "torch":
             raise ValueError(f"quantization: {self.quantization} needs the torch runner, got runner {self.runner!r}")
         if self.quantization != "none" and str(self.model or "").endswith(".gguf"):

@@ -38,12 +38,14 @@ def test_engine_arguments_map_onto_options(tiny_dir, caplog):
     events = engine_values({"kv_events_config": json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                                                             "endpoint": "tcp://*:5599", "topic": "kv"})})
     assert events == {"kv_events": True, "kv_events_endpoint": "tcp://*:5599", "kv_events_topic": "kv"}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+    assert engine_values({"speculative_config": spec}) == {"speculative_config": spec}
 
 
 @pytest.mark.parametrize("args,message", [
     ({"tensor_parallel_size": 2}, "tensor_parallel_size=2 cannot be honoured here: one replica runs on one device"),
     ({"quantization": "awq"}, 'quantization="awq" cannot be honoured here'),
-    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}, "speculative_config="),
+    ({"reasoning_parser": "qwen3"}, "reasoning_parser=\"qwen3\" cannot be honoured here: reasoning output is split"),
     ({"enable_lora": True}, "enable_lora=true cannot be honoured"),
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype="),
     ({"dtype": "fp8"}, "dtype must be one of"),

@@ -11,11 +11,13 @@ from engine.config import EngineConfig
 from engine.core.admission import Admission
 from engine.core.intake import Intake
 from engine.core.lookahead import Lookahead
+from engine.core.ngram import NgramConfig
 from engine.core.output import Delta, Output
 from engine.core.recorder import Recorder
 from engine.core.request import Request, Status
 from engine.core.sampling import SamplingParams
 from engine.core.scheduler import Scheduler
+from engine.core.speculate import Speculator
 from engine.kv.base import KVStorage
 from engine.kv.block_pool import BlockPool
 from engine.kv.dense import DenseKV
@@ -52,6 +54,10 @@ class Engine:
         self.scheduler = Scheduler(config, self.kv)
         self.admission = Admission(config.max_queue, config.max_queue_wait)
         self.lookahead = Lookahead(runner, config.use_lookahead)
+        ngram = NgramConfig.parse(config.speculative_config)
+        self.spec = Speculator(ngram, max(8, config.max_batch_size)) if ngram else None
+        if ngram:
+            self.metrics.spec_positions(ngram.k)
         self.on_delta = on_delta
         self.requests: dict[int, Request] = {}
         self.intake = Intake(config, runner, self.tokenizer, self.kv, self.max_model_len)
@@ -196,6 +202,8 @@ class Engine:
             first.forks = []
 
     def _decode(self) -> None:
+        if self.spec is not None and self.spec.step(self):
+            return
         started = time.thread_time()
         batch = self._reserve()
         before = self.lookahead.pipelined
@@ -236,16 +244,23 @@ class Engine:
         return Row(req.id, p, tokens, prev=prev, slots=self.kv.slots(req, p, p + 1), block_table=req.block_table,
                    groups=self.kv.groups(req, p, p + 1), buf=req.buf, params=req.params, ban=self._ban(req),
                    fed_output=p >= n_prompt, prompt=self._prompt(req), grammar=req.grammar,
-                   ban_later=self._ban_later(req))
+                   ban_later=self._ban_later(req), counted=self._counted(req))
+
+    @staticmethod
+    def _counted(req: Request) -> tuple[int, ...]:
+        """Accepted drafts the penalties have not counted: they join the counts with this row."""
+        out, req.uncounted = tuple(req.uncounted), []
+        return out
 
     @staticmethod
     def _prompt(req: Request) -> list[int] | None:
         return req.prompt_ids if req.params.repetition_penalty != 1 else None
 
-    def _ban(self, req: Request) -> tuple[int, ...]:
+    def _ban(self, req: Request, ahead: int = 0) -> tuple[int, ...]:
+        """The tokens a row `ahead` positions past the request's next one may not sample."""
         p = req.params
         always = req.bad_words.always if req.bad_words else ()
-        if len(req.output_ids) + req.in_flight >= p.min_tokens:
+        if len(req.output_ids) + req.in_flight + ahead >= p.min_tokens:
             return always
         return tuple(set(p.stop_token_ids) | self.output.eos_token_ids | set(always))
 
@@ -274,6 +289,8 @@ class Engine:
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         forks, req.forks = req.forks, []
+        if self.spec is not None:
+            self.spec.release(req)
         if self.lookahead.unwind(req, self.kv.trim):
             self.metrics.unwinds.inc()
         table = contiguity(req.block_table) if self.pool is not None else None

@@ -57,6 +57,11 @@ class Recorder:
         for req in batch:
             req.decode_cpu += cpu / len(batch)
 
+    def speculated(self, req: Request, drafted: int, accepted: int) -> None:
+        req.drafted += drafted
+        req.accepted += accepted
+        self.metrics.speculated(drafted, accepted)
+
     def finished(self, req: Request, table: tuple[int, int] | None) -> None:
         """A sequence ended (its finish_reason set); `table`: its block table's contiguity (paged). A request is
         counted, and logged, when its last sequence ends (n > 1: with the output of all of them)."""
@@ -78,9 +83,11 @@ class Recorder:
         first = min((s.first_token_at for s in seqs if s.first_token_at), default=0.0)
         ttft = (first - req.arrival) * 1000 if first else 0.0
         width = f" n={len(seqs)}" if req.group else ""
+        drafted = sum(s.drafted for s in seqs)
+        spec = f" accepted={sum(s.accepted for s in seqs)}/{drafted}" if drafted else ""
         log.info("prompt-cache: request completed cached=%d/%d id=%d output=%d%s reason=%s ttft=%.1fms "
-                 "decode=%.1ftok/s decode_cpu=%.2fms/tok", max(req.num_cached, 0), len(req.prompt_ids),
-                 req.group_id, sum(len(s.output_ids) for s in seqs), width, reason, ttft, decode, cpu)
+                 "decode=%.1ftok/s decode_cpu=%.2fms/tok%s", max(req.num_cached, 0), len(req.prompt_ids),
+                 req.group_id, sum(len(s.output_ids) for s in seqs), width, reason, ttft, decode, cpu, spec)
 
     def gauges(self, kv: dict[str, int], running: int, waiting: int) -> None:
         m = self.metrics

@@ -43,6 +43,10 @@ class Request:
     bad_words: BadWords | None = None
     prompt_logprobs: list | None = None   # per prompt position (None first), when params.prompt_logprobs is set
     cumulative_logprob: float = 0.0       # the sum of the sampled tokens' logprobs
+    # speculative decoding: accepted drafts its penalties have not counted yet; drafted and accepted tokens
+    uncounted: list[int] = field(default_factory=list)
+    drafted: int = 0
+    accepted: int = 0
     # timings (monotonic seconds)
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float = 0.0

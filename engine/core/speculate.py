@@ -50,7 +50,8 @@ class Speculator:
             eng._commit(req, token, lp)
         batch = eng._reserve()
         room = {r.id: min(r.params.max_tokens - len(r.output_ids), eng.max_model_len - r.seq_len) - 1 for r in batch}
-        drafts = self.drafts([r for r in ready if not r.finished], len(batch), room)
+        going = {r.id for r in batch}
+        drafts = self.drafts([r for r in ready if r.id in going], len(batch), room)
         drafts = {i: d for i, d in drafts.items() if eng.kv.grow(eng.requests[i], eng.requests[i].num_allocated +
                                                                  1 + len(d))}   # short of blocks: no drafts
         if not drafts:

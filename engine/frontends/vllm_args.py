@@ -20,7 +20,7 @@ SAME = {"max_model_len": "max_model_len", "max_num_seqs": "max_batch_size", "ena
         "block_size": "block_size", "max_num_batched_tokens": "prefill_chunk",
         "num_gpu_blocks_override": "num_kv_blocks", "kv_cache_memory_bytes": "kv_cache_bytes",
         "gpu_memory_utilization": "gpu_memory_utilization", "seed": "sampling_seed", "tokenizer": "tokenizer",
-        "max_logprobs": "max_logprobs"}
+        "max_logprobs": "max_logprobs", "speculative_config": "speculative_config"}
 DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32",
           "float32": "float32"}
 
@@ -51,13 +51,13 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "pipeline_parallel_size": ((1,), "one replica runs on one device"),
     "data_parallel_size": ((1,), "one replica runs on one device; scale out with replicas behind vllm-router"),
     "kv_cache_dtype": (("auto",), "the KV cache holds the weights' dtype"),
-    "speculative_config": ((None, {}), "speculative decoding is not built yet"),
     "enable_lora": ((False,), "LoRA adapters are not supported"),
     "rope_scaling": ((None, {}), "RoPE scaling overrides are not supported"),
     "rope_theta": ((None,), "RoPE overrides are not supported"),
     "hf_overrides": ((None, {}), "config overrides are not supported"),
     "override_generation_config": ((None, {}), "generation config overrides are not supported"),
-    "reasoning_parser": ((None, ""), "reasoning output is not built yet"),
+    "reasoning_parser": ((None, ""), "reasoning output is split by the OpenAI server (--reasoning-parser), "
+                         "not the Triton model"),
     "logits_processors": ((None, []), "custom logits processors are not supported"),
     "kv_transfer_config": ((None,), "KV transfer between engines is not supported"),
     "scheduling_policy": (("fcfs",), "requests are scheduled first come, first served"),

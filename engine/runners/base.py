@@ -30,6 +30,8 @@ class Row:
     ban_later: Callable[[], list[int]] | None = None      # more token ids to mask, asked for at `sample` (bad words)
     prompt_logprobs: int | None = None    # prefill: each position's logprob of the token after it, and the top k
     next_token: int = -1          # prefill: the prompt token after the row's last position (-1: none, or output)
+    drafts: tuple[int, ...] = ()  # verify: the draft tokens before this row's position, counted by its penalties
+    counted: tuple[int, ...] = () # output tokens that join the penalties' counts with this row (accepted drafts)
 
     @property
     def deferred(self) -> bool:

@@ -50,6 +50,12 @@ class Metrics:
         self.unwinds = Counter("pagoda_lookahead_unwinds", "Speculative positions unwound", registry=r)
         self.preemptions = Counter("pagoda_preemptions", "Requests sent back to the queue for recompute",
                                    registry=r)
+        self.spec_drafts = Counter("pagoda_spec_decode_drafts", "Speculative drafts verified (a sequence's draft "
+                                   "tokens in one step)", registry=r)
+        self.spec_draft_tokens = Counter("pagoda_spec_decode_draft_tokens", "Draft tokens verified", registry=r)
+        self.spec_accepted = Counter("pagoda_spec_decode_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.spec_per_pos = Counter("pagoda_spec_decode_accepted_tokens_per_pos", "Draft tokens accepted, by "
+                                    "their position in the draft (0: the first)", ["position"], registry=r)
         self.kv_blocks = Gauge("pagoda_kv_blocks", "KV blocks (dense: buffers) by state", ["state"], registry=r)
         for state in self.KV_STATES:
             self.kv_blocks.labels(state=state)
@@ -92,6 +98,24 @@ class Metrics:
         """The other registry (a new engine process) starts from 0: count its gains from there."""
         self.restarts.inc()
         self.seen.clear()
+
+    def spec_positions(self, k: int) -> None:
+        """Speculation drafts up to k tokens: the per-position series exist from the start."""
+        for i in range(k):
+            self.spec_per_pos.labels(position=str(i))
+            self.vllm.spec_per_pos.labels(**self.vllm.labels, position=str(i))
+
+    def speculated(self, drafted: int, accepted: int) -> None:
+        """One sequence's draft of `drafted` tokens verified, its first `accepted` taken."""
+        v = self.vllm
+        for mine, theirs, n in ((self.spec_drafts, v.spec_drafts, 1), (self.spec_draft_tokens, v.spec_draft_tokens,
+                                                                      drafted),
+                                (self.spec_accepted, v.spec_accepted, accepted)):
+            mine.inc(n)
+            theirs.inc(n)
+        for i in range(accepted):
+            self.spec_per_pos.labels(position=str(i)).inc()
+            v.spec_per_pos.labels(**v.labels, position=str(i)).inc()
 
     def series(self) -> list[tuple[str, dict[str, str]]]:
         """Every exported series (name, labels): what a scrape of an idle server shows."""
@@ -213,6 +237,15 @@ class VllmSeries:
                                               "processed.", metrics)
         self.preemptions = self._family(Counter, "vllm:num_preemptions", "Cumulative number of preemption from "
                                         "the engine.", metrics)
+        self.spec_drafts = self._family(Counter, "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                                        metrics)
+        self.spec_draft_tokens = self._family(Counter, "vllm:spec_decode_num_draft_tokens", "Number of draft "
+                                              "tokens.", metrics)
+        self.spec_accepted = self._family(Counter, "vllm:spec_decode_num_accepted_tokens", "Number of accepted "
+                                          "tokens.", metrics)
+        self.spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Number of accepted tokens "
+                                    "per draft position.", [*self.labels, "position"], registry=metrics.registry)
+        self.families["vllm:spec_decode_num_accepted_tokens_per_pos"] = self.spec_per_pos
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
                           [*self.labels, "finished_reason"], registry=metrics.registry)
         self.families["vllm:request_success"] = success

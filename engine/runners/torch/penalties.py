@@ -2,7 +2,8 @@
 token counts, the repetition penalty over every token of the prompt and the output (a positive logit is divided
 by it, a negative one multiplied). Each sequence's output counts live in a row of one [slots, vocab] table and
 grow by each decode step's input token, which is the previous step's output still on the device, so lookahead
-keeps overlapping."""
+keeps overlapping. A speculative verify row also counts the drafts before it, for its own sampling only; the
+drafts a step accepted join the table with the sequence's next row."""
 from __future__ import annotations
 
 import torch
@@ -26,6 +27,10 @@ class Penalties:
             slots = self._slots([rows[i] for i in picked])
             self.counts.index_put_((slots, ids[[last[i] for i in picked]]),
                                    torch.ones(len(picked), dtype=torch.int32, device=self.device), accumulate=True)
+        late = [(r, t) for r in rows if r.counted and r.params is not None and r.params.penalized for t in r.counted]
+        if late:                    # accepted drafts: output that was never a fed row's input
+            self.counts.index_put_((self._slots([r for r, _ in late]), upload([t for _, t in late], self.device)),
+                                   torch.ones(len(late), dtype=torch.int32, device=self.device), accumulate=True)
 
     def apply(self, logits: torch.Tensor, rows: list[Row]) -> None:
         """Bias, then penalize, the logits [B, V] of the rows that sample, in place."""
@@ -38,6 +43,11 @@ class Penalties:
             return
         slots = self._slots([rows[i] for i in picked])
         counts, x = self.counts[slots].to(logits.dtype), logits[picked]
+        drafted = [(q, t) for q, i in enumerate(picked) for t in rows[i].drafts]
+        if drafted:                 # a verify row: the drafts before it, as if they had come one at a time
+            q, t = zip(*drafted)
+            counts.index_put_((upload(q, self.device), upload(t, self.device)),
+                              torch.ones(len(q), dtype=counts.dtype, device=self.device), accumulate=True)
         seen = counts > 0
         column = [[rows[i].params.repetition_penalty, rows[i].params.frequency_penalty,
                    rows[i].params.presence_penalty] for i in picked]

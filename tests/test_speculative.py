@@ -1,0 +1,154 @@
+"""N-gram speculative decoding end to end: greedy tokens equal to decoding without it across the sampling features,
+paged and dense; sampled output distributed as without it; KV, prompt cache, metrics and the log line."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from tests.helpers import random_ids
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+# a prompt that repeats itself: the random-weight model copies it back, so drafts are proposed and accepted
+PROMPTS = [random_ids(30, seed=s) * 2 for s in range(3)]
+
+
+def pair(tiny_dir, **kw) -> tuple[LLM, LLM]:
+    base = {"model": tiny_dir, "dtype": "float32", "engine_process": False, **kw}
+    return LLM(**base), LLM(**base, speculative_config=SPEC)
+
+
+def accepted(llm: LLM) -> float:
+    return llm.engine.metrics.spec_accepted._value.get()
+
+
+# feature -> its sampling fields; with three allowed tokens the output repeats (drafts are taken) while the
+# penalties' counts decide, token by token, which of them comes next
+THREE = {"allowed_token_ids": [5, 6, 7]}
+FEATURES = {
+    "plain": {},
+    "frequency penalty": {"frequency_penalty": 0.02, **THREE},
+    "all penalties": {"frequency_penalty": 0.01, "presence_penalty": 0.01, "repetition_penalty": 1.01, **THREE},
+    "strong penalties": {"frequency_penalty": 0.5, "presence_penalty": 0.3, "repetition_penalty": 1.2},
+    "logit bias": {"logit_bias": {7: 3.0}},
+    "min_tokens and stop tokens": {"min_tokens": 12, "stop_token_ids": [52, 499], "ignore_eos": False},
+    "bad words": {"bad_words": ["the cat"]},
+    "allowed tokens": {"allowed_token_ids": list(range(3, 600))},
+    "stop string": {"stop": ["e"]},
+    "max_tokens inside a run": {"max_tokens": 23},
+    "structured output": {"structured_outputs": {"choice": ["yes", "no"]}},
+}
+UNDRAFTED = ("strong penalties", "stop string", "structured output")     # no accepted run to check there
+
+
+@pytest.fixture(scope="module", params=["paged", "dense"])
+def engines(request, tiny_dir):
+    return pair(tiny_dir, **({} if request.param == "paged" else {"max_batch_size": 1}))
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_greedy_tokens_equal_speculation_off(engines, feature):
+    off, on = engines
+    params = SamplingParams(**{"max_tokens": 40, "temperature": 0.0, "ignore_eos": True, **FEATURES[feature]})
+    before = accepted(on)
+    want, got = off.generate(PROMPTS, params), on.generate(PROMPTS, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.text for o in got] == [o.text for o in want]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+    if feature not in UNDRAFTED:
+        assert accepted(on) > before                    # drafts were verified and taken, not only proposed
+
+
+def test_every_max_tokens_ends_where_it_would(engines):
+    off, on = engines
+    for n in range(1, 30, 2):
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        assert [o.token_ids for o in on.generate(PROMPTS, params)] == \
+            [o.token_ids for o in off.generate(PROMPTS, params)], n
+
+
+def test_logprobs_of_every_emitted_token(engines):
+    off, on = engines
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=3)
+    for want, got in zip(off.generate(PROMPTS, params), on.generate(PROMPTS, params)):
+        assert got.token_ids == want.token_ids
+        for a, b in zip(got.logprobs, want.logprobs):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 and a[t].rank == b[t].rank for t in a)
+        assert abs(got.cumulative_logprob - want.cumulative_logprob) < 1e-3
+
+
+def test_n_choices_and_the_prompt_cache(tiny_dir):
+    off, on = pair(tiny_dir)
+    params = SamplingParams(n=2, max_tokens=30, temperature=0.0, ignore_eos=True)
+    first = on.generate(PROMPTS[:1], params)[0]
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in off.generate(PROMPTS[:1], params)[0].outputs]
+    # the same prompt again: a hit on the blocks the first run registered, and every block given back after
+    again = on.generate(PROMPTS[:1], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0]
+    assert again.cached_tokens > 0 and again.token_ids == first.outputs[0].token_ids
+    stats = on.engine.kv.stats()
+    assert stats["used"] == 0
+
+
+def chi_square_p(a: list[int], b: list[int]) -> float:
+    """Two-sample chi-square test of equal distributions over the same cells: the p-value."""
+    na, nb = sum(a), sum(b)
+    stat, cells = 0.0, 0
+    for x, y in zip(a, b):
+        if x + y:
+            cells += 1
+            ex, ey = (x + y) * na / (na + nb), (x + y) * nb / (na + nb)
+            stat += (x - ex) ** 2 / ex + (y - ey) ** 2 / ey
+    return float(1 - torch.special.gammainc(torch.tensor((cells - 1) / 2), torch.tensor(stat / 2)))
+
+
+def test_sampled_output_is_distributed_as_without_speculation(tiny_dir):
+    """Temperature 1, top-k 4, seeded per request (so the test is deterministic): the joint distribution of the
+    first three tokens with speculation equals the one without (chi-square, p > 0.001). The prompt's continuation
+    is biased into the top tokens, so the draft is taken about half the time; a presence penalty makes each token
+    depend on the ones before it, so a step that kept a row sampled after a rejected draft (from the wrong context)
+    fails here (p ~ 1e-7)."""
+    off, on = pair(tiny_dir, max_batch_size=2)         # room in a step of 8 rows for drafts
+    prompt = PROMPTS[0]
+    follow = prompt[30:33]                      # what the n-gram lookup proposes after the prompt's last tokens
+    counts = []
+    for llm in (off, on):
+        before = accepted(llm)
+        params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=4, seed=s, ignore_eos=True, presence_penalty=2.0,
+                                 logit_bias={t: 4.0 for t in follow}) for s in range(600)]
+        outs = [tuple(o.token_ids) for o in llm.generate([prompt] * 600, params)]
+        counts.append({c: outs.count(c) for c in set(outs)})
+        if llm is on:
+            assert accepted(llm) > before
+    cells = sorted(set(counts[0]) | set(counts[1]))
+    assert chi_square_p([counts[0].get(c, 0) for c in cells], [counts[1].get(c, 0) for c in cells]) > 0.001
+
+
+def test_seeded_requests_reproduce(tiny_dir):
+    _, on = pair(tiny_dir)
+    params = [SamplingParams(max_tokens=30, temperature=0.8, seed=s, ignore_eos=True) for s in range(3)]
+    assert [o.token_ids for o in on.generate(PROMPTS, params)] == [o.token_ids for o in on.generate(PROMPTS, params)]
+
+
+def test_metrics_and_the_log_line(tiny_dir, caplog):
+    _, on = pair(tiny_dir)
+    with caplog.at_level(logging.INFO, logger="pagoda"):
+        on.generate(PROMPTS[:1], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    m = on.engine.metrics
+    drafted, taken = m.spec_draft_tokens._value.get(), m.spec_accepted._value.get()
+    per_pos = [m.spec_per_pos.labels(position=str(i))._value.get() for i in range(SPEC["num_speculative_tokens"])]
+    assert 0 < taken <= drafted and sum(per_pos) == taken and per_pos == sorted(per_pos, reverse=True)
+    text = m.text().decode()
+    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                 "pagoda_spec_decode_accepted_tokens_total"):
+        assert name in text
+    line = next(r.getMessage() for r in caplog.records if "request completed" in r.getMessage())
+    assert f"accepted={int(taken)}/{int(drafted)}" in line
+
+
+def test_a_bad_config_is_refused_by_name(tiny_dir):
+    with pytest.raises(ValueError, match="speculative_config.method"):
+        LLM(model=tiny_dir, engine_process=False, speculative_config={"method": "eagle", "num_speculative_tokens": 2})
