@@ -187,3 +187,14 @@ def test_an_empty_perf_analyzer_export_is_run_again_on_fresh_prompts(tmp_path, m
     assert "left pa_run.json empty; running it again" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="left .*pa_again.json empty 3 times"):
         perf_hit_miss.profile(args, w, 2, {"max_tokens": 4}, tmp_path / "pa_again.json")
+
+
+def test_bench_spec_prints_each_workload_against_speculation_off(tiny_dir, tmp_path, capsys):
+    from perf import bench_spec
+    rows = bench_spec.main(["--model", tiny_dir, "--ks", "2", "--pairs", "1", "--max-tokens", "8", "--concurrency",
+                            "1", "2", "--out", str(tmp_path / "spec")])
+    assert [(r["workload"], r["concurrency"]) for r in rows] == [(w, c) for w in bench_spec.WORKLOADS for c in (1, 2)]
+    assert all(r["ratio"] > 0 and r["low"] <= r["ratio"] <= r["high"] for r in rows)
+    assert (tmp_path / "spec.json").exists() and (tmp_path / "spec.png").stat().st_size > 0
+    out = capsys.readouterr().out
+    assert "proposer on a 16,384-token prompt" in out and "control (sampled free writing)" in out

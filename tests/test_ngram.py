@@ -8,7 +8,7 @@ import pytest
 from engine.core.ngram import Lookup, NgramConfig
 from engine.core.request import Request
 from engine.core.sampling import SamplingParams
-from engine.core.speculate import MAX_SKIP, Speculator
+from engine.core.speculate import MAX_SKIP, WORTH, Speculator
 
 
 def brute(ids: list[int], low: int, high: int, k: int) -> list[int]:
@@ -63,21 +63,28 @@ def test_bad_config_names_the_key(value, why):
         NgramConfig.parse(value)
 
 
-def test_drafting_backs_off_and_resumes():
-    """A round that accepts nothing skips the next 1, 2, 4 ... chances (up to MAX_SKIP); an accepted one resets."""
-    spec = Speculator(NgramConfig(3, 1, 1), rows=8)
-    req = Request(1, [5, 6, 7, 5, 6], SamplingParams())
-    assert spec.drafts(spec.ready([req]), 1, {1: 10}) == {1: [7, 5, 6]}
+def test_drafts_are_as_long_as_they_pay():
+    """A first draft is a one-token probe; drafts grow while they are taken (each token while its chance of being
+    reached and taken is at least WORTH); rounds that are not taken make the sequence skip the next 1, 2, 4 ...
+    chances (up to MAX_SKIP), then probe again."""
+    spec = Speculator(NgramConfig(4, 1, 1), rows=8)
+    req = Request(1, [5, 6, 7, 8, 9, 10, 11], SamplingParams())
+    req.output_ids = [5, 6]
+    assert spec.drafts(spec.ready([req]), 1, {1: 10}) == {1: [7]}
+    lengths = []
+    for _ in range(5):
+        spec.record(req, 4, 4)
+        lengths.append(spec.paces[1].length(4))
+    assert lengths == sorted(lengths) and lengths[0] < 4 and lengths[-1] == 4
+    assert spec.drafts(spec.ready([req]), 1, {1: 10}) == {1: [7, 8, 9, 10]}
+    assert spec.drafts([req], 7, {1: 10}) == {1: [7]}           # one row to spare in a step of 8
+    assert spec.drafts([req], 1, {1: 2}) == {1: [7, 8]}         # two tokens left before max_tokens
     skips = []
-    for _ in range(6):
-        spec.record(req, 3, 0)
+    for _ in range(12):
+        spec.record(req, 1, 0)
         skipped = 0
         while not spec.ready([req]):
             skipped += 1
         skips.append(skipped)
-    assert skips == [1, 2, 4, 8, 16, MAX_SKIP]
-    spec.record(req, 3, 2)
-    spec.record(req, 3, 0)
-    assert not spec.ready([req]) and spec.ready([req]) == [req]
-    assert spec.drafts([req], 7, {1: 10}) == {1: [7]}           # one row to spare in a step of 8
-    assert spec.drafts([req], 1, {1: 2}) == {1: [7, 5]}         # two tokens left before max_tokens
+    skips = [n for n in skips if n]         # rounds while the rate was still above WORTH skip nothing
+    assert skips[:6] == [1, 2, 4, 8, 16, MAX_SKIP] and set(skips[6:]) == {MAX_SKIP} and spec.paces[1].rate < WORTH

@@ -152,3 +152,43 @@ def test_metrics_and_the_log_line(tiny_dir, caplog):
 def test_a_bad_config_is_refused_by_name(tiny_dir):
     with pytest.raises(ValueError, match="speculative_config.method"):
         LLM(model=tiny_dir, engine_process=False, speculative_config={"method": "eagle", "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("runner", ["triton", "mlx"])
+def test_verify_rows_on_the_other_decode_paths(tiny_dir, runner):
+    """Triton's decode kernels (under the interpreter here) and the MLX runner take a sequence's verify rows too."""
+    if runner == "mlx":
+        pytest.importorskip("mlx.core", reason="mlx is not installed")
+        kw = {"runner": "mlx"}
+    else:
+        pytest.importorskip("triton", reason="triton is not installed (Linux only)")
+        kw = {"attention": "triton", "block_size": 16}
+    off, on = pair(tiny_dir, **kw)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in on.generate(PROMPTS, params)] == [o.token_ids for o in off.generate(PROMPTS, params)]
+    assert accepted(on) > 0
+
+
+def test_cancelled_and_preempted_requests_give_every_block_back(tiny_dir):
+    """A pool too small for the batch preempts; a cancel lands between verify steps; every block comes back."""
+    from engine.config import EngineConfig
+    from engine.core.engine import Engine
+    engine = Engine(EngineConfig(model=tiny_dir, dtype="float32", block_size=16, num_kv_blocks=14,
+                                 speculative_config=SPEC))
+    done = []
+    engine.on_delta = lambda d: done.append(d) if d.finished else None
+    reqs = [engine.add(engine.make_request(p, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)))
+            for p in PROMPTS]
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+        if steps == 6:
+            engine.abort(reqs[1].id)
+    assert sorted(d.finish_reason for d in done) == ["abort", "length", "length"]
+    assert engine.metrics.preemptions._value.get() > 0 and accepted_of(engine) > 0
+    assert engine.kv.stats()["used"] == 0
+
+
+def accepted_of(engine) -> float:
+    return engine.metrics.spec_accepted._value.get()

@@ -24,13 +24,38 @@ if TYPE_CHECKING:
     from engine.core.engine import Engine
 
 MAX_SKIP = 32
+WORTH = 0.5      # a draft token is verified while the chance it is taken is at least this
+DECAY = 0.8      # per verify round, of the counts a sequence's acceptance rate is estimated from
 
 
 @dataclass(slots=True)
 class Pace:
-    """One sequence's drafting rhythm: how many chances to skip next, and the skip after a failed round."""
+    """One sequence's drafting: how often its drafts were taken (decayed counts: tokens accepted, and rounds that
+    ended on a rejection), and the chances it skips while its drafts do not pay."""
+    hits: float = 0.0
+    misses: float = 0.0
     skip: int = 0
     backoff: int = 1
+
+    @property
+    def rate(self) -> float:
+        """The chance a draft token is taken, given the one before it was (Laplace's estimate)."""
+        return (self.hits + 1) / (self.hits + self.misses + 2)
+
+    def length(self, k: int) -> int:
+        """Draft tokens worth verifying: the j-th pays while rate^j, the chance it is reached and taken, is at least
+        WORTH (a verify row costs about half a step's worth on the CPUs measured); at least one, as a probe."""
+        j, rate = 1, self.rate
+        while j < k and rate ** (j + 1) >= WORTH:
+            j += 1
+        return j
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.hits, self.misses = DECAY * self.hits + accepted, DECAY * self.misses + (accepted < drafted)
+        if self.rate >= WORTH:
+            self.backoff = 1
+        else:                                    # not paying: skip the next 1, 2, 4 ... chances, then probe
+            self.skip, self.backoff = self.backoff, min(2 * self.backoff, MAX_SKIP)
 
 
 class Speculator:
@@ -122,7 +147,8 @@ class Speculator:
         spare = self.rows - width
         out: dict[int, list[int]] = {}
         for req in ready:
-            k = min(self.config.k, spare, room.get(req.id, 0))
+            pace = self.paces.get(req.id)
+            k = min(pace.length(self.config.k) if pace else 1, spare, room.get(req.id, 0))
             if k <= 0:
                 continue
             draft = self._lookup(req).propose(req.prompt_ids, req.output_ids, k)
@@ -132,11 +158,7 @@ class Speculator:
         return out
 
     def record(self, req: Request, drafted: int, accepted: int) -> None:
-        pace = self.paces.setdefault(req.id, Pace())
-        if accepted:
-            pace.backoff = 1
-        elif drafted:
-            pace.skip, pace.backoff = pace.backoff, min(2 * pace.backoff, MAX_SKIP)
+        self.paces.setdefault(req.id, Pace()).record(drafted, accepted)
 
     def release(self, req: Request) -> None:
         self.lookups.pop(req.id, None)
