@@ -77,7 +77,10 @@ def test_drafts_are_as_long_as_they_pay():
         lengths.append(spec.paces[1].length(4))
     assert lengths == sorted(lengths) and lengths[0] < 4 and lengths[-1] == 4
     assert spec.drafts(spec.ready([req]), 1, {1: 10}) == {1: [7, 8, 9, 10]}
-    assert spec.drafts([req], 7, {1: 10}) == {1: [7]}           # one row to spare in a step of 8
+    assert spec.drafts([req], 4, {1: 10}) == {}                 # half the step's 8 rows busy: no drafts
+    narrow = Speculator(NgramConfig(4, 1, 1), rows=5)
+    narrow.paces = spec.paces
+    assert narrow.drafts([req], 2, {1: 10}) == {1: [7, 8, 9]}   # three rows to spare in a step of 5
     assert spec.drafts([req], 1, {1: 2}) == {1: [7, 8]}         # two tokens left before max_tokens
     skips = []
     for _ in range(12):

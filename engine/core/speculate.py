@@ -144,7 +144,7 @@ class Speculator:
     def drafts(self, ready: list[Request], width: int, room: dict[int, int]) -> dict[int, list[int]]:
         """Draft tokens per request id, for the ready requests that find any; `width`: the batch's rows without
         drafts; `room`: how many tokens each request may still produce past the next one (max_tokens, context)."""
-        spare = self.rows - width
+        spare = self.rows - width if 2 * width < self.rows else 0     # half a step's rows busy: no drafts
         out: dict[int, list[int]] = {}
         for req in ready:
             pace = self.paces.get(req.id)
