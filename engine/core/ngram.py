@@ -7,9 +7,10 @@ n-grams of each new token as it comes: a step costs a few dict operations whatev
 prompt is indexed once, as its first proposal is asked for)."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from engine.core.structured import json_object
 
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
 
@@ -25,13 +26,7 @@ class NgramConfig:
         """From vLLM's object (or its JSON text); None or {} is off. ValueError names the key and the reason."""
         if value in (None, "", {}):
             return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ValueError(f"{field_name}: not valid JSON ({e})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"{field_name}: expected an object, got {value!r}")
+        value = json_object(value, field_name)
         for key in value:
             if key not in KEYS:
                 raise ValueError(f"{field_name}.{key}: not supported (known: {', '.join(KEYS)})")

@@ -69,6 +69,8 @@ class Speculator:
         step in flight is read first: drafts follow the latest token, and the step runs alone."""
         batch = [r for r in eng.scheduler.decoding() if eng._wants_step(r)]
         ready = self.ready(batch)
+        if 2 * len(batch) >= self.rows:          # half the step's rows busy: no drafts (see `drafts`)
+            return False
         if not any(self._lookup(r).propose(r.prompt_ids, r.output_ids, 1) for r in ready):
             return False                     # (without the token in flight: a guess that spares a drain)
         for req, token, lp in eng.lookahead.drain():

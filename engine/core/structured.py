@@ -35,13 +35,7 @@ class StructuredOutputs:
         """From a dict, or its JSON text (Triton's sampling_parameters carry it so, as vllm_backend takes it)."""
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ValueError(f"{field}: not valid JSON ({e})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"{field}: expected an object with one of {', '.join(KINDS)}, got {value!r}")
+        value = json_object(value, field, f"an object with one of {', '.join(KINDS)}")
         asked = {k: v for k, v in value.items() if k in KINDS and v not in (None, False)}
         for key, v in value.items():
             if key not in KINDS and key not in OPTIONS:
@@ -57,6 +51,18 @@ class StructuredOutputs:
     def of(cls, kind: str, value: Any, field: str) -> StructuredOutputs:
         """One kind, from a field of its own (OpenAI's response_format, vLLM's legacy guided_json, ...)."""
         return cls(field=field, **{kind: _check(field, kind, value)})
+
+
+def json_object(value: Any, field: str, what: str = "an object") -> dict:
+    """A request's or option's object, given as one or as its JSON text; ValueError naming the field."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"{field}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{field}: expected {what}, got {value!r}")
+    return value
 
 
 def _check(where: str, kind: str, value: Any) -> Any:
