@@ -37,6 +37,9 @@ def divergence(a: list[int], b: list[int]) -> int | None:
 
 
 
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+
+
 def prompts(length: int) -> list[list[int]]:
     """[cold A, hit on A, cold B, hit on A, cold C, hit on A]: each hit keeps all but A's last 5 tokens. (Dense
     storage lends a stored buffer to one request at a time, so in the batch one hit may miss.)"""
@@ -65,9 +68,12 @@ def greedy_identity(s) -> tuple[dict, list[dict]]:
         anchor = [hf_greedy(hf, p, s.tokens) for p in ps]
         del hf
         results[f"{preset}: CPU engine vs transformers"] = [divergence(a, b) for a, b in zip(want, anchor)]
-        for storage, graphs in (("paged", "true"), ("paged", "false"), ("dense", "false")):
+        # the last case verifies n-gram drafts as multi-row decode steps through the same kernels and graphs
+        for storage, graphs, spec in (("paged", "true", None), ("paged", "false", None), ("dense", "false", None),
+                                      ("paged", "true", SPEC)):
             llm = LLM(model=path, device=s.device, dtype="float32", kv_storage=storage, cuda_graphs=graphs,
-                      attention=s.attention, max_batch_size=4, num_kv_blocks=s.blocks if storage == "paged" else 0)
+                      attention=s.attention, max_batch_size=4, num_kv_blocks=s.blocks if storage == "paged" else 0,
+                      speculative_config=spec)
             for lookahead in (True, False):
                 got, cached = serve(llm, ps, s.tokens, lookahead)
                 vs_cpu = [divergence(g, w) for g, w in zip(got, want)]
@@ -75,7 +81,8 @@ def greedy_identity(s) -> tuple[dict, list[dict]]:
                 ok = all(d is None for d in vs_cpu + vs_hf) and cached[1] > 0 and max(cached[3], cached[5]) > 0
                 failures += not ok
                 results["cases"].append({"preset": preset, "storage": storage, "cuda_graphs": graphs,
-                                         "lookahead": lookahead, "ok": ok, "cached": cached,
+                                         "speculative": spec is not None, "lookahead": lookahead, "ok": ok,
+                                         "cached": cached,
                                          "diverges_from_cpu_at": vs_cpu, "diverges_from_transformers_at": vs_hf})
             del llm
     cases = len(results["cases"])
