@@ -244,13 +244,7 @@ class Engine:
         return Row(req.id, p, tokens, prev=prev, slots=self.kv.slots(req, p, p + 1), block_table=req.block_table,
                    groups=self.kv.groups(req, p, p + 1), buf=req.buf, params=req.params, ban=self._ban(req),
                    fed_output=p >= n_prompt, prompt=self._prompt(req), grammar=req.grammar,
-                   ban_later=self._ban_later(req), counted=self._counted(req))
-
-    @staticmethod
-    def _counted(req: Request) -> tuple[int, ...]:
-        """Accepted drafts the penalties have not counted: they join the counts with this row."""
-        out, req.uncounted = tuple(req.uncounted), []
-        return out
+                   ban_later=self._ban_later(req), counted=req.take_uncounted())
 
     @staticmethod
     def _prompt(req: Request) -> list[int] | None:

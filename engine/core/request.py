@@ -99,6 +99,11 @@ class Request:
     def in_flight(self) -> int:
         return self.num_allocated - self.num_computed
 
+    def take_uncounted(self) -> tuple[int, ...]:
+        """Accepted drafts the penalties have not counted: they join the counts with the next row built."""
+        out, self.uncounted = tuple(self.uncounted), []
+        return out
+
     def decode_timing(self) -> tuple[float, float] | None:
         """The engine's view of its decode: (tokens per second from its first sampled token to its last, engine-thread
         CPU ms per token after the first); None before a second token."""
