@@ -86,7 +86,7 @@ def aggregate(engine: Engine, concurrency: int, tokens: int) -> float:
 
 def lookahead(preset: str, runner: str, tokens: int, repeats: int, threads: int) -> Pair:
     """One engine, its lookahead switched on and off between requests (the PAGODA_FORCE_SYNC path): two identical
-    engines built one after the other differ by build order alone (README)."""
+    engines built one after the other differ by build order alone (docs/performance.md)."""
     engine = Engine(EngineConfig(model=str(cached_model(preset)), runner=runner, num_threads=threads))
     p = prompt_ids()
     greedy_run(engine, p, 8, lookahead=True), greedy_run(engine, p, 8, lookahead=False)

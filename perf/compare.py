@@ -2,7 +2,7 @@
 response_timestamps) and the engine's own decode timing (the decode_tok_s / decode_cpu_ms outputs); pair each MISS
 with the HIT that followed it; print medians and the paired hit/miss ratios with their 95% intervals; write a PNG.
 
-    python -m perf.compare perf/results/pa_paged/pa_run_0.json [...] [--plot out.png] [--json out.json]
+    python -m perf.compare perf/results/pa_run.json [...] [--plot out.png] [--json out.json]
 TTFT = first token's response timestamp - request timestamp; decode = (tokens - 1) / (last - first token).
 A request is a HIT when the server reports at least a quarter of its prompt cached (return_cached_tokens),
 else a MISS.

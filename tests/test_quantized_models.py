@@ -50,6 +50,18 @@ def test_a_q8_0_file_keeps_its_blocks_and_decodes_as_transformers(tmp_path):
     assert dense.generate(prompt, greedy(12))[0].token_ids == want
 
 
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2}])
+def test_a_batch_past_eight_rows_decodes_as_its_sequences_alone(tmp_path, spec):
+    """12 sequences in one step (or 2 with 8 draft rows each) run the blocks' decode kernels in calls of 8 rows
+    (kernels/cpu_gemv.py: BLOCK_ROWS), not a dequantized copy; every row gets what it gets alone, int8 and all."""
+    file = write(cached_model("tiny"), tmp_path / "tiny-q8.gguf", "Q8_0")
+    llm = LLM(model=str(file), max_batch_size=12, speculative_config=spec)
+    assert llm.engine.runner.model.stack.max_rows == 32
+    prompts = [random_ids(20, seed=s) * 2 for s in range(12 if spec is None else 2)]
+    alone = [llm.generate(p, greedy(16))[0].token_ids for p in prompts]
+    assert [o.token_ids for o in llm.generate(prompts, greedy(16))] == alone
+
+
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
 def test_quantization_at_load_decodes_as_transformers_on_the_rounded_weights(kind):
     src = cached_model("tiny")

@@ -3,7 +3,7 @@
 //
 // Decode on a CPU is bound by reading the weights once per step. Each thread reads its share of w's rows one row
 // after the other, start to end: one sequential stream, which the hardware prefetchers follow at close to the
-// memory's bandwidth (several rows read side by side, as this kernel did before, fell well short of it: README).
+// memory's bandwidth (several rows read side by side, as this kernel did before, fell well short of it: docs/cpu-kernels.md).
 // Every input row is multiplied with a weight row while it is in L1, so w is read once whatever m is.
 // Accumulation is in fp32 and each output rounded once, to nearest even; the rows of w are split over OpenMP
 // threads, linked against the libgomp torch loaded, so one thread pool serves both.

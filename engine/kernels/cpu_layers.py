@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from engine.kernels import cpu_build
-from engine.kernels.cpu_gemv import ACTS, DTYPES, GEMMA_NORM, MAX_ROWS, Q8X, Q16X
+from engine.kernels.cpu_gemv import ACTS, BLOCK_ROWS, DTYPES, GEMMA_NORM, MAX_ROWS, Q8X, Q16X
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -100,6 +100,8 @@ class CpuLayers:
         self.dims = Dims(len(layers), first.o_proj.weight.shape[0], first.n_heads, first.n_kv, first.head_dim,
                          first.down.weight.shape[1], 0, 0, mode, eps, 0.0)
         self.threads = threads
+        if hasattr(first.qkv, "kinds"):          # weights in blocks (models/quant.py): see BLOCK_ROWS
+            self.max_rows = BLOCK_ROWS
 
     def use_layout(self, groups: tuple[int, ...], pages: tuple[int, ...]) -> None:
         """Each layer's KV group and page of a block (engine/kv/layout.py)."""
@@ -108,7 +110,21 @@ class CpuLayers:
 
     def __call__(self, x: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]],
                  kv: Paged | Dense) -> torch.Tensor:
+        """Above MAX_ROWS rows, calls of MAX_ROWS in order: a sequence's speculative rows come in position order, so
+        each sees the KV its earlier rows wrote in the calls before."""
         x = x.contiguous()
+        if x.shape[0] <= MAX_ROWS:
+            return self._call(x, tables, kv)
+        for a in range(0, x.shape[0], MAX_ROWS):
+            b = a + MAX_ROWS
+            part = kv._replace(buffers=kv.buffers[a:b], seq_lens=kv.seq_lens[a:b]) if isinstance(kv, Dense) else \
+                kv._replace(slots=kv.slots[:, a:b].contiguous(), tables=kv.tables[:, a:b].contiguous(),
+                            seq_lens=kv.seq_lens[a:b])
+            self._call(x[a:b], [(cos[a:b], sin[a:b]) for cos, sin in tables], part)
+        return x
+
+    def _call(self, x: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]],
+              kv: Paged | Dense) -> torch.Tensor:
         pairs = [[t.contiguous() for t in tables[0]], [t.contiguous() for t in tables[self.second]]]
         cos = (_P * 2)(*(p[0].data_ptr() for p in pairs))
         signed_sin = (_P * 2)(*(p[1].data_ptr() for p in pairs))

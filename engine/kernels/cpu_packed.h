@@ -152,39 +152,41 @@ template <> struct Packed<Q4_K> {
     static __m256 scale(const uint8_t* p, int u) { return _mm256_mul_ps(halves(p), bytes8(p + 32 + 8 * u)); }
     static __m256 mins(const uint8_t* p, int u) { return _mm256_mul_ps(halves(p + 16), bytes8(p + 96 + 8 * u)); }
 };
-// d[8] (f16); per 16-weight unit its 8 rows' int8 scales; per 32-weight column four chunks of the low nibbles, then
-// two chunks of the top 2 bits (chunk h, 2-bit field f: group 4h + f)
+// d[8] (f16); per 16-weight unit its 8 rows' int8 scales; per 32-weight column 192 bytes, the file's 6 bits a weight:
+// four chunks whose bytes hold groups 0-3's values whole (bits 0-5) and groups 4-7's top 2 bits (6-7), then two
+// chunks of groups 4-7's low nibbles. A group is then one load and one mask, or two loads and four operations; the
+// file's layout took five operations for every group, and a Q4_K_M file's head (Q6_K) read at half Q8_0's bandwidth
 template <> struct Packed<Q6_K> {
-    static constexpr int BYTES = 16 + 128 + 1024 + 512, OFF = 32, UNIT = 16;
+    static constexpr int BYTES = 16 + 128 + 192 * 8, OFF = 32, UNIT = 16;
     static constexpr bool MIN = false;
     static int six(const uint8_t* b, int n) {     // weight n of a file block, unsigned
         const int h = n / 128, i = n % 128 / 32, l = n % 32;
         return (b[64 * h + 32 * (i & 1) + l] >> (i < 2 ? 0 : 4) & 15) | (b[128 + 32 * h + l] >> (2 * i) & 3) << 4;
     }
     static void pack(const uint8_t* const src[G], uint8_t* dst) {
+        memset(dst, 0, BYTES);
         for (int r = 0; r < G; r++) {
             memcpy(dst + 2 * r, src[r] + 208, 2);
             for (int u = 0; u < 16; u++) dst[16 + 8 * u + r] = src[r][192 + u];
-        }
-        for (int col = 0; col < 8; col++) {
-            uint8_t q[G][32];
-            for (int r = 0; r < G; r++)
-                for (int i = 0; i < 32; i++) q[r][i] = six(src[r], 32 * col + i);
-            put_nibbles(q, dst + 144 + 128 * col);
-            uint8_t* top = dst + 1168 + 64 * col;
-            for (int h = 0; h < 2; h++)
-                for (int r = 0; r < G; r++)
-                    for (int i = 0; i < 4; i++) {
-                        int v = 0;
-                        for (int f = 0; f < 4; f++) v |= (q[r][4 * (4 * h + f) + i] >> 4) << (2 * f);
-                        top[32 * h + 4 * r + i] = v;
-                    }
+            for (int n = 0; n < 256; n++) {
+                const int v = six(src[r], n), g = n % 32 / 4, at = 4 * r + n % 4;
+                uint8_t* col = dst + 144 + 192 * (n / 32);
+                if (g < 4) {
+                    col[32 * g + at] |= v;
+                } else {
+                    col[32 * (g - 4) + at] |= (v >> 4) << 6;
+                    col[128 + 32 * (g & 1) + at] |= (v & 15) << (g < 6 ? 0 : 4);
+                }
+            }
         }
     }
     static __m256i q(const uint8_t* p, int col, int g) {
-        const __m256i hi = load32(p + 1168 + 64 * col + 32 * (g / 4));
-        const __m256i top = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 2 * (g % 4)), _mm256_set1_epi8(3)), 4);
-        return _mm256_or_si256(nibble(p + 144 + 128 * col, g), top);
+        const uint8_t* c = p + 144 + 192 * col;
+        const __m256i whole = load32(c + 32 * (g & 3));
+        if (g < 4) return _mm256_and_si256(whole, _mm256_set1_epi8(63));
+        const __m256i low = load32(c + 128 + 32 * (g & 1));
+        const __m256i top = _mm256_and_si256(_mm256_srli_epi16(whole, 2), _mm256_set1_epi8(0x30));
+        return _mm256_or_si256(g < 6 ? low4(low) : high4(low), top);
     }
     static __m256 scale(const uint8_t* p, int u) {
         return _mm256_mul_ps(halves(p), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 16 + 8 * u)))));

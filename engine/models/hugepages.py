@@ -1,7 +1,7 @@
 """A CPU model's weights in one mapping of 2 MiB pages (Linux transparent huge pages, asked for by madvise).
 
 Decode on a CPU streams every weight from memory once a token. On 4 KiB pages that read takes a TLB miss every
-4 KiB; on 2 MiB pages paired 0.5B decode ran 4-6% faster (README, "CPU decode kernels").
+4 KiB; on 2 MiB pages paired 0.5B decode ran 4-6% faster (docs/cpu-kernels.md).
 Where the OS has no madvise(MADV_HUGEPAGE), the weights stay where torch put them.
 """
 from __future__ import annotations

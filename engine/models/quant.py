@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from engine.kernels import cpu_build, cpu_quant
-from engine.kernels.cpu_gemv import ACTS, GEMMA_NORM, MAX_ROWS, Q8X, Q16X
+from engine.kernels.cpu_gemv import ACTS, BLOCK_ROWS, GEMMA_NORM, MAX_ROWS, Q8X, Q16X
 
 SLICE_BYTES = 8 << 20     # prefill: the fp32 slice of a weight dequantized per GEMM
 
@@ -115,6 +115,8 @@ class QLinear(nn.Module):
             return out if self.bias is None else out.add_(self.bias)
         if x.shape[0] <= MAX_ROWS:
             return self.fused(x, self.bias)
+        if x.shape[0] <= BLOCK_ROWS:
+            return torch.cat([self.fused(part, self.bias) for part in x.split(MAX_ROWS)])
         n, k = self.shape
         dtype = prefill_dtype() if self.int8 and not self.split else torch.float32
         step = max(8, SLICE_BYTES // (4 * k) // 8 * 8)          # whole groups of packed rows
