@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 
 import xgrammar as xgr
 
@@ -35,6 +36,34 @@ class Matcher:
         """Row `row` of a [rows, ceil(vocab / 32)] int32 bitmask (xgrammar's layout): the tokens allowed next."""
         if not self.done:
             self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def legal(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order, the grammar takes from here; the matcher is left as it was."""
+        n = 0
+        while n < len(tokens) and not self.done and self.matcher.accept_token(tokens[n]):
+            n += 1
+        if n:
+            self.matcher.rollback(n)
+        return n
+
+    def ahead(self, tokens: list[int]) -> "Ahead":
+        return Ahead(self, tuple(tokens))
+
+
+@dataclass(slots=True)
+class Ahead:
+    """A matcher as it will be once `tokens` (drafts it takes: `legal`) follow its committed tokens: what a
+    speculative verify row past those drafts is masked with. Filled at sampling time, then rolled back."""
+    base: Matcher
+    tokens: tuple[int, ...]
+
+    def fill(self, bitmask, row: int) -> None:
+        for token in self.tokens:
+            self.base.matcher.accept_token(token)
+        try:
+            self.base.fill(bitmask, row)
+        finally:
+            self.base.matcher.rollback(len(self.tokens))
 
 
 class Grammars:

@@ -39,6 +39,7 @@ FEATURES = {
     "stop string": {"stop": ["e"]},
     "max_tokens inside a run": {"max_tokens": 23},
     "structured output": {"structured_outputs": {"choice": ["yes", "no"]}},
+    "structured output, drafted": {"structured_outputs": {"regex": "[^Z]*"}},    # a prompt's drafts cut at its Z
 }
 UNDRAFTED = ("strong penalties", "stop string", "structured output")     # no accepted run to check there
 
@@ -59,6 +60,33 @@ def test_greedy_tokens_equal_speculation_off(engines, feature):
     assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
     if feature not in UNDRAFTED:
         assert accepted(on) > before                    # drafts were verified and taken, not only proposed
+
+
+def test_a_draft_row_is_masked_as_if_the_drafts_before_it_were_output(tiny_dir):
+    """A verify row past drafts d[:j] gets the mask of a matcher that took d[:j]; the sequence's matcher is left at
+    its committed tokens; a draft is cut where the grammar refuses it."""
+    import xgrammar as xgr
+
+    from engine.core.structured import StructuredOutputs
+    llm = LLM(model=tiny_dir, dtype="float32", engine_process=False)
+    grammars = llm.engine.intake._grammars()
+    compiled = grammars.compile(StructuredOutputs.parse({"json": {
+        "type": "object", "properties": {"count": {"type": "integer"}}, "required": ["count"]}}))
+    ids = llm.engine.tokenizer.encode('{"count": 42')
+    seq, ref = grammars.matcher(compiled), grammars.matcher(compiled)
+    assert seq.legal(ids + ids) == len(ids)              # a second '{' cannot follow a number
+    vocab = llm.engine.runner.vocab_size
+    masks = []
+    for j in range(len(ids) + 1):
+        got, want = xgr.allocate_token_bitmask(1, vocab), xgr.allocate_token_bitmask(1, vocab)
+        seq.ahead(ids[:j]).fill(got, 0)
+        ref.fill(want, 0)
+        assert torch.equal(got, want), j
+        masks.append(got)
+        if j < len(ids):
+            assert ref.accept(ids[j])
+    assert not torch.equal(masks[0], masks[-1])
+    assert seq.legal(ids) == len(ids) and seq.accept(ids[0])    # untouched: still at the start
 
 
 def test_every_max_tokens_ends_where_it_would(engines):

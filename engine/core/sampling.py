@@ -10,6 +10,8 @@ from engine.core.structured import StructuredOutputs
 
 @dataclass(slots=True)
 class SamplingParams:
+    """What a request asks of the sampler, with vLLM's names, defaults and meanings (16 new tokens at temperature
+    1.0 unless told otherwise). Invalid values raise ValueError naming the field. docs/sampling.md has each one."""
     n: int = 1                        # sequences sampled from the prompt (prefilled once, then forked)
     max_tokens: int = 16
     min_tokens: int = 0

@@ -69,7 +69,7 @@ class Speculator:
         step in flight is read first: drafts follow the latest token, and the step runs alone."""
         batch = [r for r in eng.scheduler.decoding() if eng._wants_step(r)]
         ready = self.ready(batch)
-        if 2 * len(batch) >= self.rows:          # half the step's rows busy: no drafts (see `drafts`)
+        if not self.spare(len(batch)):
             return False
         if not any(self._lookup(r).propose(r.prompt_ids, r.output_ids, 1) for r in ready):
             return False                     # (without the token in flight: a guess that spares a drain)
@@ -115,7 +115,7 @@ class Speculator:
     @staticmethod
     def _rows(eng: Engine, req: Request, draft: list[int]) -> list[Row]:
         """The request's last token's row, then one per draft, each sampled as if the drafts before it were
-        output already (min_tokens, bad words, penalties)."""
+        output already (min_tokens, bad words, penalties, the grammar's mask)."""
         first, p = eng._decode_row(req, -1), req.num_allocated
         rows = [first]
         for j, token in enumerate(draft, 1):
@@ -123,7 +123,8 @@ class Speculator:
                                                                           req.output_ids + draft[:j])
             rows.append(replace(first, start=p + j, tokens=[token], slots=eng.kv.slots(req, p + j, p + j + 1),
                                 groups=eng.kv.groups(req, p + j, p + j + 1), fed_output=False, counted=(),
-                                ban=eng._ban(req, j), ban_later=later or None, drafts=tuple(draft[:j])))
+                                ban=eng._ban(req, j), ban_later=later or None, drafts=tuple(draft[:j]),
+                                grammar=req.grammar and req.grammar.ahead(draft[:j])))
         return rows
 
     def _lookup(self, req: Request) -> Lookup:
@@ -139,14 +140,14 @@ class Speculator:
             pace = self.paces.get(req.id)
             if pace is not None and pace.skip:
                 pace.skip -= 1
-            elif req.grammar is None:
+            else:
                 out.append(req)
         return out
 
     def drafts(self, ready: list[Request], width: int, room: dict[int, int]) -> dict[int, list[int]]:
         """Draft tokens per request id, for the ready requests that find any; `width`: the batch's rows without
         drafts; `room`: how many tokens each request may still produce past the next one (max_tokens, context)."""
-        spare = self.rows - width if 2 * width < self.rows else 0     # half a step's rows busy: no drafts
+        spare = self.spare(width)
         out: dict[int, list[int]] = {}
         for req in ready:
             pace = self.paces.get(req.id)
@@ -154,10 +155,17 @@ class Speculator:
             if k <= 0:
                 continue
             draft = self._lookup(req).propose(req.prompt_ids, req.output_ids, k)
+            if draft and req.grammar is not None:          # only what the grammar takes: the rest would be refused
+                draft = draft[:req.grammar.legal(draft)]
             if draft:
                 out[req.id] = draft
                 spare -= len(draft)
         return out
+
+    def spare(self, width: int) -> int:
+        """Rows a step of `width` rows without drafts leaves for drafts: none once half the step's rows are busy
+        (a full batch does not pay for drafts)."""
+        return self.rows - width if 2 * width < self.rows else 0
 
     def record(self, req: Request, drafted: int, accepted: int) -> None:
         self.paces.setdefault(req.id, Pace()).record(drafted, accepted)
