@@ -16,7 +16,7 @@ SOAK_KILLS ?= 3
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,triton,bench,server,mlx,kernels,cluster]'
+	$(PY) -m pip install -q -e '.[test,triton,bench,server,mlx,kernels,cluster,gguf]'
 	# bench-peers' mlx-lm row; without its deps, whose sentencepiece would load a second OpenMP runtime beside torch's
 	$(PY) -m pip install -q --no-deps mlx-lm==0.32.2
 	# Llama 3.2's tokenizer for the Llama presets; without its deps, which pin an old pytest
@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# tritonserver on the embedded default model; one prompt streamed cold, then again as a prompt-cache hit.
+# The main job: hit/miss pairs through tritonserver (bench_serving and perf_analyzer), paged then dense; one verdict each.
 run: setup
 	$(PY) -m perf.main_job
 

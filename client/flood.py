@@ -119,7 +119,7 @@ def burst_grpc(url: str, model: str, prompts: list[list[int]], max_tokens: int =
             go.wait()
             client.async_stream_infer(model, inputs)
             if plan[i] == "hang_up":            # at once: tritonserver 2.51 can crash when a stream is cancelled
-                return "disconnected"           # while a response is being sent (server#8034, README)
+                return "disconnected"           # while a response is being sent (server#8034, docs/operations.md)
             while True:
                 result, error = events.get(timeout=timeout)
                 if error is not None:

@@ -23,6 +23,9 @@ def option(default: Any, help: str, choices: tuple[str, ...] = (), low: int | No
 
 @dataclass(slots=True)
 class EngineConfig:
+    """Every engine option, once: the model, where it runs, the KV cache, scheduling, serving. Each field is also a
+    CLI flag (`--max-batch-size`), an `LLM(...)` keyword, a config.pbtxt parameter and `PAGODA_MAX_BATCH_SIZE`.
+    Each field's help text gives its unit and bounds; docs/options.md lists them all with their defaults."""
     model: str | None = option(None, "Hugging Face model directory (default: the embedded small model)")
     tokenizer: str | None = option(None, "directory holding tokenizer.json and tokenizer_config.json (default: "
                                    "the model's)")

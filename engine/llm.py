@@ -63,12 +63,15 @@ class RequestOutput:
 
 
 class LLM:
-    """`LLM(model=None, **options)`: any EngineConfig field by name (runner, device, dtype, max_batch_size,
-    kv_storage, ...); PAGODA_<NAME> sets those not given."""
+    """The offline engine, as vLLM's `LLM`: `LLM(model=None, **options)`. `model` is a Hugging Face directory or a
+    .gguf file (default: the embedded small model, made on first use); `options` are EngineConfig fields by name
+    (dtype, max_batch_size, kv_storage, ...), and PAGODA_<NAME> sets those not given. The step loop runs in the
+    calling thread, inside `generate`."""
 
     def __init__(self, model: str | None = None, **options: Any) -> None:
         self.finals: dict[int, Delta] = {}
-        config = from_kwargs(EngineConfig, {"model": model, **options})
+        given = options if model is None else {"model": model, **options}   # None: PAGODA_MODEL, or the default
+        config = from_kwargs(EngineConfig, given)
         self.engine = Engine(config, on_delta=self._collect)
 
     def _collect(self, delta: Delta) -> None:
@@ -77,6 +80,8 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts (text, token ids, or a list of either) to completion, batched as `max_batch_size` allows;
+        one RequestOutput per prompt, in order. `params`: one for all, or one per prompt (default SamplingParams())."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(params, list):

@@ -4,12 +4,14 @@ from __future__ import annotations
 import json
 import queue
 import random
+import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 import warnings
+from contextlib import contextmanager
 
 from engine import LLM, SamplingParams
 from engine.core.engine import Engine
@@ -127,6 +129,17 @@ def start_openai(tiny_dir, log_path, *extra: str) -> tuple[subprocess.Popen, str
             time.sleep(0.25)
     proc.kill()
     raise RuntimeError("server did not start")
+
+
+@contextmanager
+def openai_serving(model_dir, log_path, *extra: str):
+    """`python -m engine serve` on the model while the block runs (its address); it must stop cleanly after."""
+    proc, url = start_openai(model_dir, log_path, *extra)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        assert proc.wait(30) in (0, -signal.SIGTERM)
 
 
 def post(url: str, path: str, body: dict | bytes, headers: dict | None = None) -> tuple[int, dict]:

@@ -198,3 +198,11 @@ def test_bench_spec_prints_each_workload_against_speculation_off(tiny_dir, tmp_p
     assert (tmp_path / "spec.json").exists() and (tmp_path / "spec.png").stat().st_size > 0
     out = capsys.readouterr().out
     assert "proposer on a 16,384-token prompt" in out and "control (sampled free writing)" in out
+
+
+def test_bench_rows_times_every_row_count(tiny_dir, capsys):
+    from perf import bench_rows
+    times = bench_rows.main(["--model", tiny_dir, "--rows", "1", "3", "--repeats", "2", "--tokens", "6"])
+    assert set(times) == {1, 3} and all(len(t) == 2 and all(ms > 0 for ms in t) for t in times.values())
+    out = capsys.readouterr().out
+    assert "x the fewest rows' step" in out and out.count("\n") >= 4

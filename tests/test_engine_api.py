@@ -135,6 +135,13 @@ def test_default_model_is_made_once(monkeypatch, tmp_path):
     assert first.generate("hello", params)[0].token_ids == second.generate("hello", params)[0].token_ids
 
 
+def test_model_from_the_environment_unless_given(monkeypatch, tiny_dir, odd_dir):
+    """LLM() takes PAGODA_MODEL as every option not given takes its PAGODA_ variable; LLM(model=...) wins."""
+    monkeypatch.setenv("PAGODA_MODEL", tiny_dir)
+    assert LLM(max_batch_size=1).engine.config.model == tiny_dir
+    assert LLM(odd_dir, max_batch_size=1).engine.config.model == odd_dir
+
+
 def test_deltas_leave_only_through_on_delta(tiny_dir):
     import pickle
 

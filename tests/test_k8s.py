@@ -1,5 +1,5 @@
 """deploy/k8s: every manifest valid against Kubernetes' own schemas (kubernetes-validate, strict), and wired as the
-README says: probes on the engine's health, a GPU per replica, metrics scraped, the router finding the OpenAI
+docs/scale-out.md says: probes on the engine's health, a GPU per replica, metrics scraped, the router finding the OpenAI
 replicas through a Role that lets it list them. Nothing here starts a cluster."""
 from __future__ import annotations
 

@@ -4,13 +4,12 @@ logit_bias that opens a call); the grammar does the rest, so every call returned
 from __future__ import annotations
 
 import json
-import signal
 from typing import Literal
 
 import jsonschema
 import pytest
 
-from tests.helpers import start_openai
+from tests.helpers import openai_serving
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
                                             "metric": {"type": "boolean"}},
@@ -26,18 +25,11 @@ ASK = [{"role": "user", "content": "What is the weather in Paris, and the time?"
 OPEN_CALL = 151657           # Qwen's <tool_call>
 
 
-def serve(model_dir, log, *flags):
-    proc, url = start_openai(model_dir, log, *flags)
-    return proc, url
-
-
 @pytest.fixture(scope="module")
 def qwen(qwen_tiny_dir, tmp_path_factory):
-    proc, url = serve(qwen_tiny_dir, tmp_path_factory.mktemp("tools") / "qwen.log",
-                      "--enable-auto-tool-choice", "--tool-call-parser", "auto")
-    yield url
-    proc.terminate()
-    assert proc.wait(30) in (0, -signal.SIGTERM)
+    with openai_serving(qwen_tiny_dir, tmp_path_factory.mktemp("tools") / "qwen.log",
+                        "--enable-auto-tool-choice", "--tool-call-parser", "auto") as url:
+        yield url
 
 
 def client(url):
@@ -193,11 +185,9 @@ def llama(tmp_path_factory):
     from engine.models.presets import make_model
     from engine.tokenizer import Tokenizer
     model_dir = make_model("tiny-llama", tmp_path_factory.mktemp("tiny-llama"))
-    proc, url = serve(str(model_dir), tmp_path_factory.mktemp("tools") / "llama.log",
-                      "--enable-auto-tool-choice", "--tool-call-parser", "auto")
-    yield Url(url, Path(model_dir).name), Tokenizer(model_dir).tok.token_to_id("{")
-    proc.terminate()
-    assert proc.wait(30) in (0, -signal.SIGTERM)
+    with openai_serving(str(model_dir), tmp_path_factory.mktemp("tools") / "llama.log",
+                        "--enable-auto-tool-choice", "--tool-call-parser", "auto") as url:
+        yield Url(url, Path(model_dir).name), Tokenizer(model_dir).tok.token_to_id("{")
 
 
 def test_llama3_json_calls(llama):
@@ -221,11 +211,9 @@ def qwen3(tmp_path_factory):
 
     from engine.models.presets import make_model
     model_dir = make_model("tiny-qwen3", tmp_path_factory.mktemp("tiny-qwen3"))
-    proc, url = serve(str(model_dir), tmp_path_factory.mktemp("tools") / "qwen3.log",
-                      "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
-    yield Url(url, Path(model_dir).name)
-    proc.terminate()
-    assert proc.wait(30) in (0, -signal.SIGTERM)
+    with openai_serving(str(model_dir), tmp_path_factory.mktemp("tools") / "qwen3.log",
+                        "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3") as url:
+        yield Url(url, Path(model_dir).name)
 
 
 def test_reasoning_apart_from_the_answer(qwen3):

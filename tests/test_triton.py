@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 import time
@@ -232,6 +233,14 @@ def test_stream_client(server):
     cli = subprocess.run([sys.executable, "-m", "client.stream", "--prompt", PROMPT, "--max-tokens", "6",
                           "--url", server.grpc_url], capture_output=True, text=True, cwd=triton_server.ROOT)
     assert cli.returncode == 0 and "decode=" in cli.stdout and "finish_reason=length" in cli.stdout
+
+
+def test_the_grpc_example_streams(server):
+    """examples/triton_grpc_stream.py, as the README quotes it: some text, then whole blocks cached."""
+    run = subprocess.run([sys.executable, "examples/triton_grpc_stream.py", "--url", server.grpc_url, "--prompt",
+                          PROMPT], capture_output=True, text=True, cwd=triton_server.ROOT, timeout=120)
+    end = re.search(r"\n\[finish_reason=(length|stop), cached_tokens=(\d+)\]\n$", run.stdout)
+    assert run.returncode == 0 and end and end.start() > 0 and int(end[2]) % 32 == 0, run.stdout + run.stderr
 
 
 def test_perf_analyzer_runs(server, tmp_path):

@@ -32,7 +32,9 @@ class EngineClient(Protocol):
     def submit(self, prompt: str | list[int], params: SamplingParams | None, push: Push,
                request_id: int | None = None) -> int:
         """Queue a request whose deltas `push` receives on a thread of the client's (it must not block); returns
-        its id (`request_id`, when the caller numbers its requests itself). Raises ValueError naming the field on
+        its id (`request_id`, when the caller numbers its requests itself). `prompt`: text (tokenized with the
+        model's tokenizer, BOS as the model wants) or token ids; `params`: None for SamplingParams() (16 tokens at
+        temperature 1.0). Raises ValueError naming the field on
         bad input, EngineUnavailable (a RuntimeError) when the engine is not up, Overloaded (a RuntimeError, with
         retry_after) when its queue cannot take the request now: all before any delta."""
 
@@ -40,11 +42,13 @@ class EngineClient(Protocol):
         """Cancel a request: its final delta has finish_reason 'abort' and its KV is freed within one step."""
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the step loop; requests still running end with an error delta."""
+        """Stop the step loop, waiting up to `timeout` seconds for it (and for the engine process, where there is
+        one); requests still running end with an error delta."""
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> AsyncIterator[Delta]:
-        """Stream deltas of one request; raises ValueError (naming the field) before the first delta on bad input.
-        Closing the iterator early cancels the request."""
+        """Stream deltas of one request (arguments as `submit`'s); each Delta carries the new `text` and `token_ids`,
+        the last one `finished` and its `finish_reason`. Raises ValueError (naming the field) before the first
+        delta on bad input. Closing the iterator early cancels the request."""
         deltas: asyncio.Queue[Delta] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         request_id = self.submit(prompt, params, lambda d: loop.call_soon_threadsafe(deltas.put_nowait, d))
@@ -61,7 +65,9 @@ class EngineClient(Protocol):
 
 
 def make_client(config: EngineConfig) -> EngineClient:
-    """The engine as `config.engine_process` places it."""
+    """A started engine for `config` (an EngineConfig: the model and every option, docs/options.md): the step loop
+    in a child process when `config.engine_process` (the default), else on a thread of this process. The model is
+    loaded before this returns; call `shutdown()` when done."""
     if config.engine_process:
         from engine.serving.process import ProcessEngine
         return ProcessEngine(config)

@@ -2,7 +2,7 @@
 
 A front end that does Python work for every token (the Triton model builds and sends a response per token) shares
 the GIL with an engine thread in its own process, and each hand-off of the GIL stalls the engine until the other
-thread is scheduled (README, "Serving path"). In its own process the engine only pickles each delta into a pipe.
+thread is scheduled (docs/serving-triton.md). In its own process the engine only pickles each delta into a pipe.
 """
 from __future__ import annotations
 

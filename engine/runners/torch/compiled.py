@@ -27,7 +27,7 @@ class CompiledDecode:
         if k_cache.device.type == "cpu":
             # Freezing makes the weights constants of the graph, prepacked for oneDNN. That costs a second copy of
             # the weights and buys a GEMV that reads them faster than eager F.linear does. It is inductor's global
-            # switch (the per-compile option did not buy the same; README, "CPU decode kernels"), so it holds for
+            # switch (the per-compile option did not buy the same; docs/cpu-kernels.md), so it holds for
             # the process.
             inductor_config.freezing = True
         self.fn = torch.compile(self.step, dynamic=True, fullgraph=True)

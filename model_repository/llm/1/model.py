@@ -2,7 +2,7 @@
 
 The step loop runs in a child process (`engine_process`, on in config.pbtxt): every Python thread here shares one
 GIL, and when the engine thread shared it too, each hand-off stalled the engine until this process's other thread
-was scheduled (README, "Serving path", has the measurements).
+was scheduled (docs/serving-triton.md, "Why the step loop runs in a process", has the measurements).
 A link thread (ProcessEngine's reader) turns each delta into a ready response and queues it; one responder thread
 sends them and polls Triton for cancelled requests. `send` blocks on an IPC round trip to tritonserver with the GIL
 released. With `engine_process` off, the engine thread builds the responses instead.
