@@ -119,7 +119,8 @@ class Server:
 
 def launch(env: dict[str, str], log: Path, ready_timeout: float = 300,
            repository: Path = ROOT / "model_repository") -> Server:
-    """Start tritonserver in the background on free loopback ports; returns once the model is ready."""
+    """Start tritonserver in the background on free loopback ports; returns once the model is ready and its metrics
+    answer."""
     ports = free_ports(3)
     cmd = [sys.executable, "-m", "scripts.tritonserver", f"--http-port={ports[0]}", f"--grpc-port={ports[1]}",
            f"--metrics-port={ports[2]}", f"--model-repository={repository}"]
@@ -130,8 +131,9 @@ def launch(env: dict[str, str], log: Path, ready_timeout: float = 300,
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"tritonserver exited with {proc.returncode}:\n{tail(log)}")
-        try:
-            if urllib.request.urlopen(f"http://127.0.0.1:{ports[0]}/v2/health/ready", timeout=2).status == 200:
+        try:       # the metrics service starts after HTTP's: a scrape right after ready may be refused
+            if urllib.request.urlopen(f"http://127.0.0.1:{ports[0]}/v2/health/ready", timeout=2).status == 200 and \
+                    urllib.request.urlopen(f"http://127.0.0.1:{ports[2]}/metrics", timeout=2).status == 200:
                 return server
         except OSError:
             time.sleep(0.5)
