@@ -89,10 +89,11 @@ def test_paged_decode_attention_matches_the_reference(gemv, b, nh, n_kv, hd, bs,
 ULP = dict(rtol=2 ** -7, atol=1e-5)       # bf16: one unit in the last place
 
 
-def silu_mul(gemv, gate_up: torch.Tensor) -> torch.Tensor:
-    """The fused GEMV's SwiGLU alone: against an identity weight, every output is one product plus zeros (exact)."""
+def silu_mul(gemv, gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """The fused GEMV's SwiGLU (GeGLU) alone: against an identity weight, every output is one product plus zeros
+    (exact)."""
     n = gate_up.shape[1] // 2
-    return gemv.fused(gate_up, torch.eye(n, dtype=gate_up.dtype), act="silu")
+    return gemv.fused(gate_up, torch.eye(n, dtype=gate_up.dtype), act=act)
 
 
 @pytest.mark.parametrize("m,n", [(1, 896), (3, 84), (8, 13)])
@@ -113,6 +114,29 @@ def test_silu_mul_holds_at_the_exponent_clamp_and_past_it(gemv):
     gu = torch.cat([g, torch.linspace(-2, 2, 16)])[None]
     want = F.silu(g) * gu[0, 16:]
     torch.testing.assert_close(silu_mul(gemv, gu)[0], want, rtol=1e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_mul_matches_torch_across_the_range_and_past_the_exponent_clamp(gemv, dtype):
+    """GeGLU's vectors (0.5 (1 + tanh y) as a logistic of 2y) and its scalar tail (the last 3 of 35) against torch's
+    tanh-approximated GELU, at the values where e^(-2y) clamps and between."""
+    g = torch.cat([torch.tensor([-60.0, -10.0, -4.0, -1e-3, 0.0, 1e-3, 4.0, 10.0, 60.0]), torch.linspace(-6, 6, 26)])
+    gu = torch.cat([g, torch.linspace(-2, 2, 35)])[None].to(dtype)
+    want = F.gelu(gu[:, :35], approximate="tanh") * gu[:, 35:]
+    tol = dict(rtol=1e-6, atol=1e-7) if dtype == torch.float32 else ULP
+    torch.testing.assert_close(silu_mul(gemv, gu, "gelu_pytorch_tanh"), want, **tol)
+
+
+@pytest.mark.parametrize("m,n", [(1, 262144), (3, 1000), (2, 13), (4, 33)])
+def test_argmax_is_torchs_first_of_equals_and_first_nan(gemv, m, n):
+    from engine.runners.torch.sampler import argmax
+    x = torch.randn(m, n, generator=torch.Generator().manual_seed(n))
+    assert torch.equal(argmax(x), x.argmax(-1))
+    x[:, n // 3] = x[:, n - 1] = x.max() + 1                # ties: the first
+    if m > 1:
+        x[1, n // 2:] = float("nan")                        # NaN wins, the first of them
+    x[-1] = float("-inf")
+    assert torch.equal(argmax(x), x.argmax(-1))
 
 
 @pytest.mark.parametrize("t,heads,rotated,hd", [(1, 18, 16, 64), (3, 4, 3, 128), (2, 9, 8, 12)])

@@ -52,7 +52,7 @@ def test_a_q8_0_file_keeps_its_blocks_and_decodes_as_transformers(tmp_path):
 
 @pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2}])
 def test_a_batch_past_eight_rows_decodes_as_its_sequences_alone(tmp_path, spec):
-    """12 sequences in one step (or 2 with 8 draft rows each) run the blocks' decode kernels in calls of 8 rows
+    """12 sequences in one step (or 2 with 8 draft rows each) run the blocks' decode kernels in one call
     (kernels/cpu_gemv.py: BLOCK_ROWS), not a dequantized copy; every row gets what it gets alone, int8 and all."""
     file = write(cached_model("tiny"), tmp_path / "tiny-q8.gguf", "Q8_0")
     llm = LLM(model=str(file), max_batch_size=12, speculative_config=spec)

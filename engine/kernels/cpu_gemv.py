@@ -17,7 +17,7 @@ from engine.kernels import cpu_build
 MAX_ROWS = 8            # above this a step is a prefill chunk: torch's GEMM is faster there
 # Weights in blocks reach torch's GEMM only through a dequantized copy, which costs a 12-row decode step (a batch of
 # 12, or speculation's verify rows) 4.5x an 8-row one (Gemma 3 270M Q4_K_M, 2 threads); up to this many rows they
-# run as calls of MAX_ROWS instead, each about what its rows cost alone
+# stay on the block GEMV, one pass over the weights for all rows
 BLOCK_ROWS = 32
 MIN_WEIGHT = 32768      # smaller weights (the tiny preset's) stay on torch: the ctypes call costs more than it saves
 OP_MIN_BYTES = 2 << 20  # in a compiled graph: smaller weights stay on inductor's prepacked GEMM (see GemvOp)

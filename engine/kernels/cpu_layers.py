@@ -110,21 +110,9 @@ class CpuLayers:
 
     def __call__(self, x: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]],
                  kv: Paged | Dense) -> torch.Tensor:
-        """Above MAX_ROWS rows, calls of MAX_ROWS in order: a sequence's speculative rows come in position order, so
-        each sees the KV its earlier rows wrote in the calls before."""
+        """Up to max_rows rows in one call. A sequence's speculative rows come in position order; the attention
+        writes every row's K/V before any row attends, so each row sees its sequence's earlier rows."""
         x = x.contiguous()
-        if x.shape[0] <= MAX_ROWS:
-            return self._call(x, tables, kv)
-        for a in range(0, x.shape[0], MAX_ROWS):
-            b = a + MAX_ROWS
-            part = kv._replace(buffers=kv.buffers[a:b], seq_lens=kv.seq_lens[a:b]) if isinstance(kv, Dense) else \
-                kv._replace(slots=kv.slots[:, a:b].contiguous(), tables=kv.tables[:, a:b].contiguous(),
-                            seq_lens=kv.seq_lens[a:b])
-            self._call(x[a:b], [(cos[a:b], sin[a:b]) for cos, sin in tables], part)
-        return x
-
-    def _call(self, x: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]],
-              kv: Paged | Dense) -> torch.Tensor:
         pairs = [[t.contiguous() for t in tables[0]], [t.contiguous() for t in tables[self.second]]]
         cos = (_P * 2)(*(p[0].data_ptr() for p in pairs))
         signed_sin = (_P * 2)(*(p[1].data_ptr() for p in pairs))

@@ -1,5 +1,5 @@
 // Decode's small ops on a CPU, each one C call where torch takes several dispatches: RMSNorm (with a residual, and per
-// head), and RoPE, fp32 or bf16
+// head), and RoPE, fp32 or bf16; and greedy sampling's argmax over a step's logits
 // (bf16 computed in fp32 and rounded where the model's torch path rounds). SwiGLU runs inside the GEMV (cpu_gemv).
 #include <immintrin.h>
 #include <stdint.h>
@@ -48,7 +48,39 @@ static void rope(T* x, const T* cos, const T* ssin, int64_t t, int64_t heads, in
         }
 }
 
+// The index of the largest of x[0, n) (the first of equals; the first NaN where there is one, as torch.argmax): the
+// largest value in four independent chains of 8 lanes, then the first lane equal to it (or unordered)
+static int64_t argmax_row(const float* x, int64_t n) {
+    __m256 best[4], nan = _mm256_setzero_ps();
+    for (auto& b : best) b = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        for (int c = 0; c < 4; c++) {
+            const __m256 v = _mm256_loadu_ps(x + i + 8 * c);
+            best[c] = _mm256_max_ps(best[c], v), nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(best[0], best[1]), _mm256_max_ps(best[2], best[3])));
+    float top = lanes[0];
+    for (int j = 1; j < 8; j++) top = lanes[j] > top ? lanes[j] : top;
+    bool any_nan = !_mm256_testz_ps(nan, nan);
+    for (int64_t j = i; j < n; j++) any_nan |= x[j] != x[j], top = x[j] > top ? x[j] : top;
+    const __m256 want = _mm256_set1_ps(top);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 v = _mm256_loadu_ps(x + j);
+        const int hit = _mm256_movemask_ps(_mm256_cmp_ps(v, any_nan ? v : want, any_nan ? _CMP_UNORD_Q : _CMP_EQ_OQ));
+        if (hit) return j + __builtin_ctz(hit);
+    }
+    for (; j < n; j++)
+        if (any_nan ? x[j] != x[j] : x[j] == top) return j;
+    return 0;
+}
+
 extern "C" {
+void argmax_f32(const float* x, int64_t m, int64_t n, int64_t* out) {
+    for (int64_t r = 0; r < m; r++) out[r] = argmax_row(x + r * n, n);
+}
 void rms_norm_f32(const float* x, const float* w, float eps, float* out, int64_t m, int64_t n, int gemma,
                   const float* residual) {
     rms_norm(x, w, eps, out, m, n, gemma, residual);

@@ -1,5 +1,6 @@
 """Decode's small ops on a CPU (cpu_pointwise.cpp), one ctypes call each, fp32 or bf16: RMSNorm (plus a residual,
-or per head in place) and RoPE. (The gated activation runs inside the down projection's GEMV call: CpuGemv.fused.)"""
+or per head in place), RoPE, and greedy sampling's argmax. (The gated activation runs inside the down projection's
+GEMV call: CpuGemv.fused.)"""
 from __future__ import annotations
 
 import ctypes
@@ -21,6 +22,7 @@ class CpuPointwise:
         self.heads_fns = {d: cpu_build.bind(lib, f"norm_heads_{n}", [_P, _P, ctypes.c_float, _I, _I, _I, _I,
                                                                      ctypes.c_int]) for d, n in DTYPES.items()}
         self.rope_fns = {d: cpu_build.bind(lib, f"rope_{n}", [_P, _P, _P, _I, _I, _I, _I]) for d, n in DTYPES.items()}
+        self.argmax_fn = cpu_build.bind(lib, "argmax_f32", [_P, _I, _I, _P])
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -45,6 +47,14 @@ class CpuPointwise:
         t, h, hd = x.shape
         self.rope_fns[x.dtype](x.data_ptr(), cos.contiguous().data_ptr(), signed_sin.contiguous().data_ptr(), t,
                                heads, h * hd, hd)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """x.argmax(-1) of contiguous fp32 x [m, n] (the first of equal values; the first NaN where there is one):
+        one vectorised pass a row, where torch's argmax compares one value at a time (0.4 ms for a 262k vocabulary
+        here, 7% of a Gemma 3 270M step)."""
+        out = torch.empty(x.shape[0], dtype=torch.long)
+        self.argmax_fn(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+        return out
 
 
 def load() -> CpuPointwise | None:

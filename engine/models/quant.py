@@ -113,10 +113,8 @@ class QLinear(nn.Module):
                     w = triton_quant.dequant(self.blocks, self.kinds, k, first, min(step, n - first))
                     out[:, first:first + w.shape[0]] = x.float() @ w.T
             return out if self.bias is None else out.add_(self.bias)
-        if x.shape[0] <= MAX_ROWS:
-            return self.fused(x, self.bias)
         if x.shape[0] <= BLOCK_ROWS:
-            return torch.cat([self.fused(part, self.bias) for part in x.split(MAX_ROWS)])
+            return self.fused(x, self.bias)
         n, k = self.shape
         dtype = prefill_dtype() if self.int8 and not self.split else torch.float32
         step = max(8, SLICE_BYTES // (4 * k) // 8 * 8)          # whole groups of packed rows

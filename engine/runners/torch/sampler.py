@@ -1,9 +1,12 @@
 """Sampling on the device: greedy, temperature, top-k, top-p, per-request seeded generators."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from engine.core.sampling import SamplingParams
+from engine.kernels import cpu_pointwise
 from engine.runners.base import Row
 
 
@@ -16,11 +19,22 @@ def sample(logits: torch.Tensor, rows: list[Row], generator_for) -> torch.Tensor
         if row.params is not None and row.params.allowed_token_ids:
             keep = torch.tensor(row.params.allowed_token_ids, device=logits.device)
             logits[i] = torch.full_like(logits[i], float("-inf")).index_copy_(0, keep, logits[i, keep])
-    tokens = logits.argmax(-1)
+    tokens = argmax(logits)
     for i, row in enumerate(rows):
         if row.params is not None and not row.params.greedy:
             tokens[i] = sample_one(logits[i], row.params, generator_for(row))
     return tokens
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1); on a CPU through the kernels' vectorised pass where they are built."""
+    ops = _pointwise() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if ops is None or logits.dim() != 2 or not logits.is_contiguous():
+        return logits.argmax(-1)
+    return ops.argmax(logits)
+
+
+_pointwise = functools.cache(cpu_pointwise.load)
 
 
 def sample_one(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> torch.Tensor:
