@@ -8,7 +8,7 @@ import pytest
 from engine.core.ngram import Lookup, NgramConfig
 from engine.core.request import Request
 from engine.core.sampling import SamplingParams
-from engine.core.speculate import MAX_SKIP, WORTH, Speculator
+from engine.core.speculate import MAX_SKIP, ROW_COST, Pace, Speculator, worth
 
 
 def brute(ids: list[int], low: int, high: int, k: int) -> list[int]:
@@ -63,31 +63,45 @@ def test_bad_config_names_the_key(value, why):
         NgramConfig.parse(value)
 
 
+def test_a_row_pays_at_a_bar_that_rises_with_the_step():
+    """The row that makes a step w rows pays when its chance of being taken covers what it adds against what the
+    step yields without it: ROW_COST for a first draft at concurrency 1, more in a wider step, more again past the
+    runner's cheap rows; past a float CPU's 8 cheap rows a row never pays."""
+    bars = [worth(w, 4) for w in range(2, 33)]
+    assert bars[0] == pytest.approx(ROW_COST) and bars == sorted(set(bars)) and bars[-1] < 1
+    assert worth(5, 4) - worth(4, 4) > worth(4, 4) - worth(3, 4)
+    assert worth(8, 8) < 1 <= worth(9, 8)
+
+
 def test_drafts_are_as_long_as_they_pay():
     """A first draft is a one-token probe; drafts grow while they are taken (each token while its chance of being
-    reached and taken is at least WORTH); rounds that are not taken make the sequence skip the next 1, 2, 4 ...
-    chances (up to MAX_SKIP), then probe again."""
-    spec = Speculator(NgramConfig(4, 1, 1), rows=8)
+    reached and taken is at least the bar of the step it widens), shrink as the step widens, stop where no row
+    pays and at the rows a step takes; rounds below the bar make the sequence skip the next 1, 2, 4 ... chances
+    (up to MAX_SKIP), then probe again."""
+    spec = Speculator(NgramConfig(4, 1, 1), rows=32, cheap=8)
     req = Request(1, [5, 6, 7, 8, 9, 10, 11], SamplingParams())
     req.output_ids = [5, 6]
     assert spec.drafts(spec.ready([req]), 1, {1: 10}) == {1: [7]}
     lengths = []
     for _ in range(5):
-        spec.record(req, 4, 4)
-        lengths.append(spec.paces[1].length(4))
-    assert lengths == sorted(lengths) and lengths[0] < 4 and lengths[-1] == 4
+        spec.record(req, 4, 4, worth(2, 8))
+        lengths.append(spec.paces[1].length(4, 1, 8))
+    assert lengths == sorted(lengths) and lengths[-1] == 4 and lengths[-1] > Pace().length(4, 1, 8)
     assert spec.drafts(spec.ready([req]), 1, {1: 10}) == {1: [7, 8, 9, 10]}
-    assert spec.drafts([req], 4, {1: 10}) == {}                 # half the step's 8 rows busy: no drafts
-    narrow = Speculator(NgramConfig(4, 1, 1), rows=5)
+    widths = [len(spec.drafts([req], w, {1: 10}).get(1, [])) for w in (1, 4, 6, 7, 8)]
+    assert widths == sorted(widths, reverse=True) and widths[0] == 4 and widths[-2] == 1 and widths[-1] == 0
+    assert Speculator(NgramConfig(4, 1, 1), rows=32, cheap=8).drafts([req], 7, {1: 10}) == {1: [7]}   # a probe
+    narrow = Speculator(NgramConfig(4, 1, 1), rows=3, cheap=8)
     narrow.paces = spec.paces
-    assert narrow.drafts([req], 2, {1: 10}) == {1: [7, 8, 9]}   # three rows to spare in a step of 5
+    assert narrow.drafts([req], 1, {1: 10}) == {1: [7, 8]}      # two rows to spare in a pass of 3
     assert spec.drafts([req], 1, {1: 2}) == {1: [7, 8]}         # two tokens left before max_tokens
     skips = []
-    for _ in range(12):
-        spec.record(req, 1, 0)
+    for _ in range(40):
+        spec.record(req, 1, 0, worth(2, 8))
         skipped = 0
         while not spec.ready([req]):
             skipped += 1
         skips.append(skipped)
-    skips = [n for n in skips if n]         # rounds while the rate was still above WORTH skip nothing
-    assert skips[:6] == [1, 2, 4, 8, 16, MAX_SKIP] and set(skips[6:]) == {MAX_SKIP} and spec.paces[1].rate < WORTH
+    skips = [n for n in skips if n]         # rounds while the rate was still above the bar skip nothing
+    assert skips[:6] == [1, 2, 4, 8, 16, MAX_SKIP] and set(skips[6:]) == {MAX_SKIP}
+    assert spec.paces[1].rate < worth(2, 8)

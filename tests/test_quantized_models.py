@@ -11,6 +11,8 @@ import torch
 
 from engine import LLM
 from engine.config import EngineConfig
+from engine.core.ngram import Lookup
+from engine.core.speculate import Pace
 from engine.kernels import cpu_build
 from engine.models.presets import cached_model
 from engine.models.quant import QEmbedding, QLinear
@@ -51,15 +53,24 @@ def test_a_q8_0_file_keeps_its_blocks_and_decodes_as_transformers(tmp_path):
 
 
 @pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2}])
-def test_a_batch_past_eight_rows_decodes_as_its_sequences_alone(tmp_path, spec):
+def test_a_batch_past_eight_rows_decodes_as_its_sequences_alone(tmp_path, spec, monkeypatch):
     """12 sequences in one step (or 2 with 8 draft rows each) run the blocks' decode kernels in one call
     (kernels/cpu_gemv.py: BLOCK_ROWS), not a dequantized copy; every row gets what it gets alone, int8 and all."""
     file = write(cached_model("tiny"), tmp_path / "tiny-q8.gguf", "Q8_0")
     llm = LLM(model=str(file), max_batch_size=12, speculative_config=spec)
-    assert llm.engine.runner.model.stack.max_rows == 32
+    runner = llm.engine.runner
+    assert (runner.step_rows, runner.cheap_rows) == (32, 4) and runner.model.stack.max_rows == 32
     prompts = [random_ids(20, seed=s) * 2 for s in range(12 if spec is None else 2)]
     alone = [llm.generate(p, greedy(16))[0].token_ids for p in prompts]
+    if spec:            # drafts of 8 that are the tokens to come, every row priced as cheap: steps of 18 rows
+        truth = {tuple(p): a for p, a in zip(prompts, alone)}
+        monkeypatch.setattr(Lookup, "propose", lambda lookup, prompt, out, k: truth[tuple(prompt)][len(out):][:k])
+        monkeypatch.setattr(Pace, "rate", property(lambda pace: 1.0))
+        llm.engine.spec.cheap = 32
+    widths, forward = [], runner.forward
+    monkeypatch.setattr(runner, "forward", lambda rows, prev: widths.append(len(rows)) or forward(rows, prev))
     assert [o.token_ids for o in llm.generate(prompts, greedy(16))] == alone
+    assert max(widths) > 8
 
 
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0"])

@@ -55,7 +55,7 @@ class Engine:
         self.admission = Admission(config.max_queue, config.max_queue_wait)
         self.lookahead = Lookahead(runner, config.use_lookahead)
         ngram = NgramConfig.parse(config.speculative_config)
-        self.spec = Speculator(ngram, max(8, config.max_batch_size)) if ngram else None
+        self.spec = Speculator(ngram, runner.step_rows, runner.cheap_rows) if ngram else None
         if ngram:
             self.metrics.spec_positions(ngram.k)
         self.on_delta = on_delta

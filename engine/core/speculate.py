@@ -6,9 +6,12 @@ A draft x carries no probability, so accepting it when the sample at its positio
 probability p(x) and otherwise keeps the sample, drawn from p without x renormalised: vLLM's rule for n-gram
 drafts, and the output distribution of decoding without speculation (greedy: the same tokens).
 
-Per sequence, drafting pays only while drafts are accepted: a round that accepts nothing makes the sequence skip
-the next 1, 2, 4 ... 32 chances to draft, and an accepting round resets that. Per step, the rows a step takes are
-capped (`rows`: what the decode kernels take in one call), so a full batch does not pay for drafts."""
+A draft token pays when the chance it is taken is at least what its row adds to the step against what the step
+yields without it (`worth`): a row adds ROW_COST of a one-row step while the step is within the runner's
+`step_rows` (the weights are read once for every row), LATE_COST past them (the products bound the step), and a
+step yields about a token a row, so the bar rises with the step's width and a full batch does not pay for drafts.
+Per sequence, a round whose acceptance falls below the bar makes it skip the next 1, 2, 4 ... 32 chances to draft,
+and a round above it resets that."""
 from __future__ import annotations
 
 import time
@@ -24,8 +27,20 @@ if TYPE_CHECKING:
     from engine.core.engine import Engine
 
 MAX_SKIP = 32
-WORTH = 0.5      # a draft token is verified while the chance it is taken is at least this
+ROW_COST = 0.15  # a decode row's cost in one-row steps, within the runner's step_rows (perf.bench_rows)
+LATE_COST = 0.3  # past them: 0.15 on an Intel Xeon with AMX, 0.3 on an AMD EPYC (int8 blocks, 2 threads)
 DECAY = 0.8      # per verify round, of the counts a sequence's acceptance rate is estimated from
+
+
+def cost(width: int, cheap: int) -> float:
+    """A step of `width` rows against a one-row step, on a runner whose steps take `cheap` rows at ROW_COST."""
+    return 1 + ROW_COST * (min(width, cheap) - 1) + LATE_COST * max(width - cheap, 0)
+
+
+def worth(width: int, cheap: int) -> float:
+    """The chance of being taken at which the row that makes a step `width` rows pays: what it adds to the step
+    against the step without it, which yields about a token a row."""
+    return (width - 1) * (cost(width, cheap) / cost(width - 1, cheap) - 1)
 
 
 @dataclass(slots=True)
@@ -42,25 +57,27 @@ class Pace:
         """The chance a draft token is taken, given the one before it was (Laplace's estimate)."""
         return (self.hits + 1) / (self.hits + self.misses + 2)
 
-    def length(self, k: int) -> int:
-        """Draft tokens worth verifying: the j-th pays while rate^j, the chance it is reached and taken, is at least
-        WORTH (a verify row costs about half a step's worth on the CPUs measured); at least one, as a probe."""
+    def length(self, k: int, width: int, cheap: int) -> int:
+        """Draft tokens worth verifying in a step of `width` rows so far: the j-th pays while rate^j, the chance it
+        is reached and taken, is at least the bar of the step it widens; at least one, as a probe."""
         j, rate = 1, self.rate
-        while j < k and rate ** (j + 1) >= WORTH:
+        while j < k and rate ** (j + 1) >= worth(width + j + 1, cheap):
             j += 1
         return j
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, drafted: int, accepted: int, bar: float) -> None:
         self.hits, self.misses = DECAY * self.hits + accepted, DECAY * self.misses + (accepted < drafted)
-        if self.rate >= WORTH:
+        if self.rate >= bar:
             self.backoff = 1
         else:                                    # not paying: skip the next 1, 2, 4 ... chances, then probe
             self.skip, self.backoff = self.backoff, min(2 * self.backoff, MAX_SKIP)
 
 
 class Speculator:
-    def __init__(self, config: NgramConfig, rows: int) -> None:
-        self.config, self.rows = config, rows
+    def __init__(self, config: NgramConfig, rows: int, cheap: int) -> None:
+        """`rows`: the most rows a step of the runner takes in one pass; `cheap`: how many it takes at little more
+        than one row's cost."""
+        self.config, self.rows, self.cheap = config, rows, cheap
         self.lookups: dict[int, Lookup] = {}
         self.paces: dict[int, Pace] = {}
 
@@ -69,8 +86,8 @@ class Speculator:
         step in flight is read first: drafts follow the latest token, and the step runs alone."""
         batch = [r for r in eng.scheduler.decoding() if eng._wants_step(r)]
         ready = self.ready(batch)
-        if not self.spare(len(batch)):
-            return False
+        if len(batch) >= self.rows or worth(len(batch) + 1, self.cheap) >= 1:
+            return False                     # no room, or a row past the batch's would not pay even if taken
         if not any(self._lookup(r).propose(r.prompt_ids, r.output_ids, 1) for r in ready):
             return False                     # (without the token in flight: a guess that spares a drain)
         for req, token, lp in eng.lookahead.drain():
@@ -103,7 +120,7 @@ class Speculator:
                 if req.finished:
                     break
             if draft:
-                self.record(req, len(draft), took)
+                self.record(req, len(draft), took, worth(len(rows), self.cheap))
                 eng.recorder.speculated(req, len(draft), took)
             if not req.finished:
                 req.uncounted += draft[:took] if req.params.penalized else []
@@ -147,11 +164,13 @@ class Speculator:
     def drafts(self, ready: list[Request], width: int, room: dict[int, int]) -> dict[int, list[int]]:
         """Draft tokens per request id, for the ready requests that find any; `width`: the batch's rows without
         drafts; `room`: how many tokens each request may still produce past the next one (max_tokens, context)."""
-        spare = self.spare(width)
         out: dict[int, list[int]] = {}
         for req in ready:
             pace = self.paces.get(req.id)
-            k = min(pace.length(self.config.k) if pace else 1, spare, room.get(req.id, 0))
+            if width >= self.rows or worth(width + 1, self.cheap) >= 1:
+                break
+            k = min(pace.length(self.config.k, width, self.cheap) if pace else 1, self.rows - width,
+                    room.get(req.id, 0))
             if k <= 0:
                 continue
             draft = self._lookup(req).propose(req.prompt_ids, req.output_ids, k)
@@ -159,16 +178,11 @@ class Speculator:
                 draft = draft[:req.grammar.legal(draft)]
             if draft:
                 out[req.id] = draft
-                spare -= len(draft)
+                width += len(draft)
         return out
 
-    def spare(self, width: int) -> int:
-        """Rows a step of `width` rows without drafts leaves for drafts: none once half the step's rows are busy
-        (a full batch does not pay for drafts)."""
-        return self.rows - width if 2 * width < self.rows else 0
-
-    def record(self, req: Request, drafted: int, accepted: int) -> None:
-        self.paces.setdefault(req.id, Pace()).record(drafted, accepted)
+    def record(self, req: Request, drafted: int, accepted: int, bar: float) -> None:
+        self.paces.setdefault(req.id, Pace()).record(drafted, accepted, bar)
 
     def release(self, req: Request) -> None:
         self.lookups.pop(req.id, None)

@@ -19,6 +19,10 @@ MAX_ROWS = 8            # above this a step is a prefill chunk: torch's GEMM is 
 # 12, or speculation's verify rows) 4.5x an 8-row one (Gemma 3 270M Q4_K_M, 2 threads); up to this many rows they
 # stay on the block GEMV, one pass over the weights for all rows
 BLOCK_ROWS = 32
+# ...but their int8 products are compute-bound past about this many rows: a step of 8 costs 2.4x a step of 1 on an
+# AMD EPYC (AVX512-VNNI), 1.7x on an Intel Xeon with AMX, 4 rows 1.2-1.4x (perf.bench_rows, 2 threads). What a
+# speculative verify step may fill (engine/core/speculate.py)
+CHEAP_BLOCK_ROWS = 4
 MIN_WEIGHT = 32768      # smaller weights (the tiny preset's) stay on torch: the ctypes call costs more than it saves
 OP_MIN_BYTES = 2 << 20  # in a compiled graph: smaller weights stay on inductor's prepacked GEMM (see GemvOp)
 

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from engine.kernels import cpu_build
-from engine.kernels.cpu_gemv import ACTS, BLOCK_ROWS, DTYPES, GEMMA_NORM, MAX_ROWS, Q8X, Q16X
+from engine.kernels.cpu_gemv import ACTS, BLOCK_ROWS, CHEAP_BLOCK_ROWS, DTYPES, GEMMA_NORM, MAX_ROWS, Q8X, Q16X
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -83,6 +83,7 @@ class CpuLayers:
     buffer); returns the result in x's storage. It holds the weights' addresses: the model that owns them holds it
     (Decoder.stack)."""
     max_rows = MAX_ROWS
+    cheap_rows = MAX_ROWS     # rows a call takes at little more than one row's cost
 
     def __init__(self, lib: ctypes.CDLL, threads: int, layers, eps: float, windows: list[int] | None = None,
                  ropes: list[int] | None = None) -> None:
@@ -101,7 +102,7 @@ class CpuLayers:
                          first.down.weight.shape[1], 0, 0, mode, eps, 0.0)
         self.threads = threads
         if hasattr(first.qkv, "kinds"):          # weights in blocks (models/quant.py): see BLOCK_ROWS
-            self.max_rows = BLOCK_ROWS
+            self.max_rows, self.cheap_rows = BLOCK_ROWS, CHEAP_BLOCK_ROWS
 
     def use_layout(self, groups: tuple[int, ...], pages: tuple[int, ...]) -> None:
         """Each layer's KV group and page of a block (engine/kv/layout.py)."""

@@ -42,6 +42,7 @@ class MLXRunner:
         self.next_buf = 0
         self.keys: dict[int, mx.array] = {}
         self.tokens_computed = 0
+        self.step_rows = self.cheap_rows = 16
 
     def kv_budget(self, utilization: float, prefill_tokens: int) -> int | None:
         return None                   # unified memory: kv_cache_bytes bounds the pool

@@ -80,6 +80,9 @@ class TorchRunner:
                                    cpu_layers.load(torch.get_num_threads(), self.model.layers, cfg.rms_norm_eps,
                                                    cfg.windows, self.model.rope_of))
         fused = self.model.layers[0].kernels is not None
+        stack = self.model.stack
+        self.step_rows = stack.max_rows if stack else cpu_gemv.MAX_ROWS if fused else max(8, max_batch_size)
+        self.cheap_rows = stack.cheap_rows if stack else self.step_rows
         if compile and fused:
             log.info("compile: decode runs the fused CPU kernels, which outrun the compiled graph; not compiling")
         self.compile = compile and not fused
