@@ -46,6 +46,15 @@ def qwen_tiny_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def qwen_tools_url(qwen_tiny_dir, tmp_path_factory):
+    """An OpenAI server on the tiny Qwen with tool calling on (`auto` parser): its host:port."""
+    from tests.helpers import openai_serving
+    with openai_serving(qwen_tiny_dir, tmp_path_factory.mktemp("tools") / "qwen.log",
+                        "--enable-auto-tool-choice", "--tool-call-parser", "auto") as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
 def qwen_dir(tmp_path_factory) -> str:
     """The qwen2.5-0.5b preset: Qwen2.5-0.5B's geometry and tokenizer, random weights."""
     return made(tmp_path_factory, "qwen2.5-0.5b")

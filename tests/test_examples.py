@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import openai_serving
-
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -29,10 +27,8 @@ def line(out: str, label: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def openai_url(qwen_tiny_dir, tmp_path_factory):
-    with openai_serving(qwen_tiny_dir, tmp_path_factory.mktemp("examples") / "openai.log",
-                        "--enable-auto-tool-choice", "--tool-call-parser", "auto") as url:
-        yield url
+def openai_url(qwen_tools_url):
+    return qwen_tools_url
 
 
 def test_offline_generation_hits_the_prompt_cache(tiny_dir):

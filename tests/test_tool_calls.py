@@ -26,10 +26,8 @@ OPEN_CALL = 151657           # Qwen's <tool_call>
 
 
 @pytest.fixture(scope="module")
-def qwen(qwen_tiny_dir, tmp_path_factory):
-    with openai_serving(qwen_tiny_dir, tmp_path_factory.mktemp("tools") / "qwen.log",
-                        "--enable-auto-tool-choice", "--tool-call-parser", "auto") as url:
-        yield url
+def qwen(qwen_tools_url):
+    return qwen_tools_url
 
 
 def client(url):
