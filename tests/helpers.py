@@ -25,6 +25,9 @@ def random_ids(n: int, seed: int, low: int = 3, high: int = 900) -> list[int]:
     return [rng.randrange(low, high) for _ in range(n)]
 
 
+ULP = dict(rtol=2 ** -7, atol=1e-5)       # bf16: one unit in the last place
+
+
 def greedy(n: int, **kw) -> SamplingParams:
     """Greedy, EOS ignored unless `ignore_eos=False` says otherwise."""
     return SamplingParams(**{"max_tokens": n, "temperature": 0.0, "ignore_eos": True, **kw})
