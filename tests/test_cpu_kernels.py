@@ -86,8 +86,6 @@ def test_paged_decode_attention_matches_the_reference(gemv, b, nh, n_kv, hd, bs,
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)       # new K/V written at their slots
 
 
-
-
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_gemv_folds_in_norm_swiglu_and_residual(gemv, m, dtype):

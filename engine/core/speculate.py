@@ -7,9 +7,9 @@ probability p(x) and otherwise keeps the sample, drawn from p without x renormal
 drafts, and the output distribution of decoding without speculation (greedy: the same tokens).
 
 A draft token pays when the chance it is taken is at least what its row adds to the step against what the step
-yields without it (`worth`): a row adds ROW_COST of a one-row step while the step is within the runner's
-`step_rows` (the weights are read once for every row), LATE_COST past them (the products bound the step), and a
-step yields about a token a row, so the bar rises with the step's width and a full batch does not pay for drafts.
+yields without it (`worth`): a row adds ROW_COST of a one-row step while the step is within the runner's cheap
+rows (the weights are read once for every row), LATE_COST past them (the products bound the step), and a step
+yields about a token a row, so the bar rises with the step's width and a full batch does not pay for drafts.
 Per sequence, a round whose acceptance falls below the bar makes it skip the next 1, 2, 4 ... 32 chances to draft,
 and a round above it resets that."""
 from __future__ import annotations
@@ -86,8 +86,8 @@ class Speculator:
         step in flight is read first: drafts follow the latest token, and the step runs alone."""
         batch = [r for r in eng.scheduler.decoding() if eng._wants_step(r)]
         ready = self.ready(batch)
-        if len(batch) >= self.rows or worth(len(batch) + 1, self.cheap) >= 1:
-            return False                     # no room, or a row past the batch's would not pay even if taken
+        if not self.pays(len(batch)):
+            return False
         if not any(self._lookup(r).propose(r.prompt_ids, r.output_ids, 1) for r in ready):
             return False                     # (without the token in flight: a guess that spares a drain)
         for req, token, lp in eng.lookahead.drain():
@@ -111,6 +111,7 @@ class Speculator:
         sampled = eng.runner.fetch(handle)
         eng.recorder.decode_tick(batch, time.thread_time() - started, 0)
         logprobs = sampled.logprobs or [None] * len(rows)
+        bar = worth(len(rows), self.cheap)
         for req, draft, at in spans:
             got = sampled.tokens[at:at + len(draft) + 1]
             took = next((i for i, (t, d) in enumerate(zip(got, draft)) if t != d), len(draft))
@@ -120,7 +121,7 @@ class Speculator:
                 if req.finished:
                     break
             if draft:
-                self.record(req, len(draft), took, worth(len(rows), self.cheap))
+                self.record(req, len(draft), took, bar)
                 eng.recorder.speculated(req, len(draft), took)
             if not req.finished:
                 req.uncounted += draft[:took] if req.params.penalized else []
@@ -167,7 +168,7 @@ class Speculator:
         out: dict[int, list[int]] = {}
         for req in ready:
             pace = self.paces.get(req.id)
-            if width >= self.rows or worth(width + 1, self.cheap) >= 1:
+            if not self.pays(width):
                 break
             k = min(pace.length(self.config.k, width, self.cheap) if pace else 1, self.rows - width,
                     room.get(req.id, 0))
@@ -180,6 +181,10 @@ class Speculator:
                 out[req.id] = draft
                 width += len(draft)
         return out
+
+    def pays(self, width: int) -> bool:
+        """Whether a row past a step of `width` rows fits in the pass and could pay, were its draft surely taken."""
+        return width < self.rows and worth(width + 1, self.cheap) < 1
 
     def record(self, req: Request, drafted: int, accepted: int, bar: float) -> None:
         self.paces.setdefault(req.id, Pace()).record(drafted, accepted, bar)
