@@ -88,7 +88,8 @@ def test_dry_run_runs_every_section_with_only_what_the_gpu_machine_has(tmp_path)
     cases = report["sections"]["greedy identity (fp32)"]["results"]["cases"]
     # per preset: paged x graphs x lookahead, dense x lookahead, speculation (paged, graphs, lookahead)
     assert len(cases) == 7 * len(gpu_check.DRY.presets) and all(c["ok"] for c in cases), cases
-    assert sum(c["speculative"] for c in cases) == len(gpu_check.DRY.presets)
+    spec = [c["pipelined_of_decode_steps"] for c in cases if c["speculative"]]
+    assert len(spec) == len(gpu_check.DRY.presets) and all(p > n / 2 for p, n in spec), spec   # verify steps chain
     names = {g["name"] for g in report["goals"]}
     for want in ("hit/miss decode, paged", "hit/miss TTFT, dense", "lookahead / sync decode",
                  "CUDA graphs on / off decode", "bs1 decode vs transformers generate",

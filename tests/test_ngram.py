@@ -12,12 +12,16 @@ from engine.core.speculate import MAX_SKIP, ROW_COST, Pace, Speculator, worth
 
 
 def brute(ids: list[int], low: int, high: int, k: int) -> list[int]:
-    """The definition: the longest n in [low, high] whose last-n tokens occur earlier; their latest occurrence."""
+    """The definition: the longest n in [low, high] whose last-n tokens occur earlier; what followed their latest
+    occurrence, read on past the sequence's end as the sequence repeating from there."""
     for n in range(min(high, len(ids) - 1), low - 1, -1):
         suffix = ids[-n:]
         for end in range(len(ids) - 2, n - 2, -1):
             if ids[end + 1 - n:end + 1] == suffix:
-                return ids[end + 1:end + 1 + k]
+                seq = list(ids)
+                for i in range(k):
+                    seq.append(seq[end + 1 + i])
+                return seq[end + 1:end + 1 + k]
     return []
 
 
@@ -36,6 +40,8 @@ def test_a_copied_passage_is_proposed_and_nothing_without_a_match():
     lookup = Lookup(NgramConfig(5, 2, 3))
     assert lookup.propose(passage + [1, 2], passage[:3], 5) == passage[3:8]
     assert Lookup(NgramConfig(5, 2, 3)).propose(list(range(50)), [], 5) == []
+    assert Lookup(NgramConfig(5, 1, 2)).propose([3, 7, 7, 7], [], 4) == [7, 7, 7, 7]    # a run goes on
+    assert Lookup(NgramConfig(5, 2, 2)).propose([1, 2, 3, 1, 2], [], 5) == [3, 1, 2, 3, 1]     # with its period
 
 
 @pytest.mark.parametrize("value,config", [
@@ -73,6 +79,12 @@ def test_a_row_pays_at_a_bar_that_rises_with_the_step():
     assert worth(8, 8) < 1 <= worth(9, 8)
 
 
+def unguessed(found: dict[int, tuple[int, list[int]]]) -> dict[int, list[int]]:
+    """Drafts that follow the committed tokens (no step in flight): no guess."""
+    assert all(guess == -1 for guess, _ in found.values())
+    return {i: draft for i, (_, draft) in found.items()}
+
+
 def test_drafts_are_as_long_as_they_pay():
     """A first draft is a one-token probe; drafts grow while they are taken (each token while its chance of being
     reached and taken is at least the bar of the step it widens), shrink as the step widens, stop where no row
@@ -81,20 +93,21 @@ def test_drafts_are_as_long_as_they_pay():
     spec = Speculator(NgramConfig(4, 1, 1), rows=32, cheap=8)
     req = Request(1, [5, 6, 7, 8, 9, 10, 11], SamplingParams())
     req.output_ids = [5, 6]
-    assert spec.drafts(spec.ready([req]), 1, {1: 10}) == {1: [7]}
+    assert unguessed(spec.drafts(spec.ready([req]), 1, {1: 10})) == {1: [7]}
     lengths = []
     for _ in range(5):
         spec.record(req, 4, 4, worth(2, 8))
         lengths.append(spec.paces[1].length(4, 1, 8))
     assert lengths == sorted(lengths) and lengths[-1] == 4 and lengths[-1] > Pace().length(4, 1, 8)
-    assert spec.drafts(spec.ready([req]), 1, {1: 10}) == {1: [7, 8, 9, 10]}
-    widths = [len(spec.drafts([req], w, {1: 10}).get(1, [])) for w in (1, 4, 6, 7, 8)]
+    assert unguessed(spec.drafts(spec.ready([req]), 1, {1: 10})) == {1: [7, 8, 9, 10]}
+    widths = [len(unguessed(spec.drafts([req], w, {1: 10})).get(1, [])) for w in (1, 4, 6, 7, 8)]
     assert widths == sorted(widths, reverse=True) and widths[0] == 4 and widths[-2] == 1 and widths[-1] == 0
-    assert Speculator(NgramConfig(4, 1, 1), rows=32, cheap=8).drafts([req], 7, {1: 10}) == {1: [7]}   # a probe
+    probe = Speculator(NgramConfig(4, 1, 1), rows=32, cheap=8)
+    assert unguessed(probe.drafts([req], 7, {1: 10})) == {1: [7]}     # a probe
     narrow = Speculator(NgramConfig(4, 1, 1), rows=3, cheap=8)
     narrow.paces = spec.paces
-    assert narrow.drafts([req], 1, {1: 10}) == {1: [7, 8]}      # two rows to spare in a pass of 3
-    assert spec.drafts([req], 1, {1: 2}) == {1: [7, 8]}         # two tokens left before max_tokens
+    assert unguessed(narrow.drafts([req], 1, {1: 10})) == {1: [7, 8]}      # two rows to spare in a pass of 3
+    assert unguessed(spec.drafts([req], 1, {1: 2})) == {1: [7, 8]}         # two tokens left before max_tokens
     skips = []
     for _ in range(40):
         spec.record(req, 1, 0, worth(2, 8))

@@ -44,9 +44,16 @@ FEATURES = {
 UNDRAFTED = ("strong penalties", "stop string", "structured output")     # no accepted run to check there
 
 
-@pytest.fixture(scope="module", params=["paged", "dense"])
+def chained(llm: LLM) -> LLM:
+    """Verify steps launched from the step in flight, as on a GPU (a CPU step does not overlap the host)."""
+    llm.engine.spec.chain = True
+    return llm
+
+
+@pytest.fixture(scope="module", params=["paged", "dense", "paged, chained", "dense, chained"])
 def engines(request, tiny_dir):
-    return pair(tiny_dir, **({} if request.param == "paged" else {"max_batch_size": 1}))
+    off, on = pair(tiny_dir, **({"max_batch_size": 1} if "dense" in request.param else {}))
+    return off, chained(on) if "chained" in request.param else on
 
 
 @pytest.mark.parametrize("feature", FEATURES)
@@ -132,30 +139,48 @@ def chi_square_p(a: list[int], b: list[int]) -> float:
     return float(1 - torch.special.gammainc(torch.tensor((cells - 1) / 2), torch.tensor(stat / 2)))
 
 
-def test_sampled_output_is_distributed_as_without_speculation(tiny_dir):
-    """Temperature 1, top-k 4, seeded per request (so the test is deterministic): the joint distribution of the
-    first three tokens with speculation equals the one without (chi-square, p > 0.001). The prompt's continuation
-    is biased into the top tokens, so the draft is taken about half the time; a presence penalty makes each token
-    depend on the ones before it, so a step that kept a row sampled after a rejected draft (from the wrong context)
-    fails here (p ~ 1e-7)."""
+@pytest.mark.parametrize("mode", ["sync", "chained"])
+def test_sampled_output_is_distributed_as_without_speculation(tiny_dir, mode, monkeypatch):
+    """Temperature 1, top-k 4, seeded per request (so the test is deterministic): the joint distribution of three
+    tokens with speculation equals the one without (chi-square, p > 0.001). The prompt's continuation is biased
+    into the top tokens, so the draft is taken about half the time; a presence penalty makes each token depend on
+    the ones before it, so a step that kept a row sampled after a rejected draft (from the wrong context) fails
+    here (p ~ 1e-7). Chained: a request drafts only with a step in flight, so the verify step after it launches
+    while that step is in flight, its drafts following a guess of that step's token; the last three of 4 tokens."""
+    from engine.core.speculate import Speculator
     off, on = pair(tiny_dir, max_batch_size=2)         # room in a step of 8 rows for drafts
+    n, guesses = (3, None) if mode == "sync" else (4, [])
+    if guesses is not None:
+        chained(on)
+        ready, drafts = Speculator.ready, Speculator.drafts
+        monkeypatch.setattr(Speculator, "ready", lambda self, batch: [r for r in ready(self, batch)
+                                                                     if r.in_flight])
+
+        def guessed(*a):
+            found = drafts(*a)
+            guesses.extend(g for g, _ in found.values() if g >= 0)
+            return found
+        monkeypatch.setattr(Speculator, "drafts", guessed)
     prompt = PROMPTS[0]
-    follow = prompt[30:33]                      # what the n-gram lookup proposes after the prompt's last tokens
+    follow = prompt[30:30 + n]                  # what the n-gram lookup proposes after the prompt's last tokens
     counts = []
     for llm in (off, on):
         before = accepted(llm)
-        params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=4, seed=s, ignore_eos=True, presence_penalty=2.0,
+        params = [SamplingParams(max_tokens=n, temperature=1.0, top_k=4, seed=s, ignore_eos=True, presence_penalty=2.0,
                                  logit_bias={t: 4.0 for t in follow}) for s in range(600)]
-        outs = [tuple(o.token_ids) for o in llm.generate([prompt] * 600, params)]
+        outs = [tuple(o.token_ids[-3:]) for o in llm.generate([prompt] * 600, params)]
         counts.append({c: outs.count(c) for c in set(outs)})
         if llm is on:
             assert accepted(llm) > before
+    assert guesses is None or len(guesses) > 100
     cells = sorted(set(counts[0]) | set(counts[1]))
     assert chi_square_p([counts[0].get(c, 0) for c in cells], [counts[1].get(c, 0) for c in cells]) > 0.001
 
 
-def test_seeded_requests_reproduce(tiny_dir):
+@pytest.mark.parametrize("mode", ["sync", "chained"])
+def test_seeded_requests_reproduce(tiny_dir, mode):
     _, on = pair(tiny_dir)
+    on = chained(on) if mode == "chained" else on
     params = [SamplingParams(max_tokens=30, temperature=0.8, seed=s, ignore_eos=True) for s in range(3)]
     assert [o.token_ids for o in on.generate(PROMPTS, params)] == [o.token_ids for o in on.generate(PROMPTS, params)]
 
@@ -197,12 +222,14 @@ def test_verify_rows_on_the_other_decode_paths(tiny_dir, runner):
     assert accepted(on) > 0
 
 
-def test_cancelled_and_preempted_requests_give_every_block_back(tiny_dir):
+@pytest.mark.parametrize("mode", ["sync", "chained"])
+def test_cancelled_and_preempted_requests_give_every_block_back(tiny_dir, mode):
     """A pool too small for the batch preempts; a cancel lands between verify steps; every block comes back."""
     from engine.config import EngineConfig
     from engine.core.engine import Engine
     engine = Engine(EngineConfig(model=tiny_dir, dtype="float32", block_size=16, num_kv_blocks=14,
                                  speculative_config=SPEC))
+    engine.spec.chain = mode == "chained"
     done = []
     engine.on_delta = lambda d: done.append(d) if d.finished else None
     reqs = [engine.add(engine.make_request(p, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)))
@@ -220,3 +247,45 @@ def test_cancelled_and_preempted_requests_give_every_block_back(tiny_dir):
 
 def accepted_of(engine) -> float:
     return engine.metrics.spec_accepted._value.get()
+
+
+def test_chained_verify_steps_keep_the_overlap(tiny_dir, monkeypatch):
+    """Launched from the step in flight, verify steps keep lookahead's overlap (its counter counts them), where a
+    CPU's verify steps read the step in flight first. Drafts that followed a wrong guess of the token in flight, and
+    steps launched after drafts that were then rejected, are void: the tokens stay those of speculation off."""
+    from engine.core import speculate
+    from engine.core.lookahead import Lookahead
+    guesses, void = [], []
+
+    def checked(spans):
+        guesses.extend(speculate._token(s.req, s.start) == s.guess for s in spans
+                       if s.guess >= 0 and s.start < s.req.seq_len)
+
+    def accept(self, eng, span, *a):
+        checked([span])
+        return real_accept(self, eng, span, *a)
+
+    def settle(self, eng):
+        checked(eng.lookahead.inflight.spans if eng.lookahead.inflight else [])
+        return real_settle(self, eng)
+
+    def read(self, step):
+        void.extend(s for s in (step.spans if step else []) if s.req.num_computed != s.start and not s.req.finished)
+        return real_read(self, step)
+
+    real_accept, real_settle, real_read = speculate.Speculator.accept, speculate.Speculator.settle, Lookahead._read
+    monkeypatch.setattr(speculate.Speculator, "accept", accept)
+    monkeypatch.setattr(speculate.Speculator, "settle", settle)
+    monkeypatch.setattr(Lookahead, "_read", read)
+    off, sync = pair(tiny_dir)
+    on = chained(pair(tiny_dir)[1])
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in off.generate(PROMPTS, params)]
+    share = {}
+    for name, llm in (("sync", sync), ("chained", on)):
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
+        m = llm.engine.metrics
+        assert accepted(llm) > 0
+        share[name] = llm.engine.lookahead.pipelined / m.value("pagoda_decode_steps_total")
+    assert share["chained"] > 0.9 and share["sync"] < 0.75, share
+    assert True in guesses and False in guesses and void

@@ -5,12 +5,11 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from functools import partial
 
 from engine.config import EngineConfig
 from engine.core.admission import Admission
 from engine.core.intake import Intake
-from engine.core.lookahead import Lookahead
+from engine.core.lookahead import Lookahead, Result
 from engine.core.ngram import NgramConfig
 from engine.core.output import Delta, Output
 from engine.core.recorder import Recorder
@@ -55,7 +54,8 @@ class Engine:
         self.admission = Admission(config.max_queue, config.max_queue_wait)
         self.lookahead = Lookahead(runner, config.use_lookahead)
         ngram = NgramConfig.parse(config.speculative_config)
-        self.spec = Speculator(ngram, runner.step_rows, runner.cheap_rows) if ngram else None
+        self.spec = Speculator(ngram, runner.step_rows, runner.cheap_rows, runner.overlaps and config.use_lookahead) \
+            if ngram else None
         if ngram:
             self.metrics.spec_positions(ngram.k)
         self.on_delta = on_delta
@@ -171,7 +171,7 @@ class Engine:
                             block_table=req.block_table, groups=self.kv.groups(req, start, end), buf=req.buf,
                             params=req.params, ban=self._ban(req),
                             sample=end == req.prefill_target and not req.output_ids and req.group is None,
-                            prompt=self._prompt(req), grammar=req.grammar, ban_later=self._ban_later(req),
+                            prompt=req.penalty_prompt, grammar=req.grammar, ban_later=req.ban_later(),
                             prompt_logprobs=req.params.prompt_logprobs if asks else None,
                             next_token=req.prompt_ids[end] if end < n_prompt else -1))
             req.num_allocated = end
@@ -211,8 +211,7 @@ class Engine:
         if self.hit_delay and any(r.num_cached > 0 for r in batch):
             time.sleep(self.hit_delay)          # the hit-only decode penalty failpoint (config.hit_decode_delay)
         self.recorder.decode_tick(batch, time.thread_time() - started, self.lookahead.pipelined - before)
-        for req, token, lp in results:
-            self._commit(req, token, lp)
+        self._take(results)
         self.lookahead.sample_pending()
 
     def _wants_step(self, req: Request) -> bool:
@@ -227,8 +226,7 @@ class Engine:
             if all(self.kv.grow(r, r.num_allocated + 1) for r in batch):
                 return batch
             if not drained:
-                for req, token, lp in self.lookahead.drain():
-                    self._commit(req, token, lp)
+                self._take(self.lookahead.drain())
                 drained = True
             elif len(self.scheduler.running) == 1:
                 self._finish(self.scheduler.running[0], "error", "kv cache: the sequence outgrew the whole block pool")
@@ -243,12 +241,8 @@ class Engine:
         tokens = [] if prev >= 0 else [req.prompt_ids[p] if p < n_prompt else req.output_ids[p - n_prompt]]
         return Row(req.id, p, tokens, prev=prev, slots=self.kv.slots(req, p, p + 1), block_table=req.block_table,
                    groups=self.kv.groups(req, p, p + 1), buf=req.buf, params=req.params, ban=self._ban(req),
-                   fed_output=p >= n_prompt, prompt=self._prompt(req), grammar=req.grammar,
-                   ban_later=self._ban_later(req), counted=req.take_uncounted())
-
-    @staticmethod
-    def _prompt(req: Request) -> list[int] | None:
-        return req.prompt_ids if req.params.repetition_penalty != 1 else None
+                   fed_output=p >= n_prompt, prompt=req.penalty_prompt, grammar=req.grammar,
+                   ban_later=req.ban_later(), counted=req.take_uncounted())
 
     def _ban(self, req: Request, ahead: int = 0) -> tuple[int, ...]:
         """The tokens a row `ahead` positions past the request's next one may not sample."""
@@ -258,14 +252,15 @@ class Engine:
             return always
         return tuple(set(p.stop_token_ids) | self.output.eos_token_ids | set(always))
 
-    @staticmethod
-    def _ban_later(req: Request) -> Callable[[], list[int]] | None:
-        """The longer bad words' bans, worked out when the row samples: from the output committed by then."""
-        if req.bad_words is None or not req.bad_words.sequences:
-            return None
-        return partial(req.bad_words.banned, req.output_ids)
-
     # ---- tokens out ----
+    def _take(self, results: list[Result]) -> None:
+        for span, tokens, lps in results:
+            if span.draft:
+                self.spec.accept(self, span, tokens, lps)
+            else:
+                span.req.num_computed += 1
+                self._commit(span.req, tokens[0], lps[0])
+
     def _commit(self, req: Request, token: int, lp: TokenLogprobs | None) -> None:
         self.kv.commit(req)
         if req.cancelled:

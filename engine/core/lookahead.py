@@ -9,23 +9,50 @@ Structured output: a step is launched as its model pass, then sampled. A step wi
 multi-token bad words) is sampled only after the tick's reads were committed (`sample_pending`), so the row's mask
 is filled from its latest token while the model pass runs: constrained rows keep the overlap too, and nothing
 waits but the host.
+
+A step's rows are grouped by request (`Span`): one row each in a plain step; in a speculative verify step, the
+request's next token's row, then one per draft (engine/core/speculate.py). A step launched while a verify step is in
+flight chains each request from the row that follows its last draft, assuming every draft is taken; when fewer are,
+the request's later positions are trimmed and the step's rows for it are void: read back, they are dropped.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.core.request import Request, Status
 from engine.runners.base import ModelRunner, Row, TokenLogprobs
 
-Result = tuple[Request, int, TokenLogprobs | None]       # a request, its sampled token, the token's logprobs
+
+@dataclass(slots=True)
+class Span:
+    """A request's rows in a step: from row `at` (at position `start`) its next token's row, then a row per draft."""
+    req: Request
+    at: int
+    start: int
+    draft: list[int] = field(default_factory=list)
+    guess: int = -1           # the token the drafts assume the first row is fed, unknown at launch (-1: known)
+    bar: float = 0.0          # verify: the chance of being taken at which the step's last draft row paid
+
+    @property
+    def end(self) -> int:
+        """The row whose sample is the request's next token when every draft is taken."""
+        return self.at + len(self.draft)
+
+    @property
+    def live(self) -> bool:
+        """Its positions are still the request's: nothing before them was rejected or unwound."""
+        return self.req.num_allocated > self.start
+
+
+Result = tuple[Span, list[int], list[TokenLogprobs | None]]      # a span, its rows' samples, their logprobs
 
 
 @dataclass(slots=True)
 class InFlight:
     handle: Any
-    reqs: list[Request]
+    spans: list[Span]
     sampled: bool = False
 
 
@@ -40,14 +67,24 @@ class Lookahead:
 
     def tick(self, batch: list[Request], make_row: Callable[[Request, int], Row]) -> list[Result]:
         """Launch a decode step for `batch`; return the results read back this tick."""
+        where = self.sources()
+        rows = [make_row(r, where.get(r.id, -1)) for r in batch]
+        return self.launch(rows, [Span(r, i, r.num_allocated) for i, r in enumerate(batch)])
+
+    def sources(self) -> dict[int, int]:
+        """Per request in the step in flight: the row whose sample a step launched now is fed."""
+        prev = self.inflight
+        return {s.req.id: s.end for s in prev.spans if s.live} if prev else {}
+
+    def launch(self, rows: list[Row], spans: list[Span]) -> list[Result]:
+        """Launch `rows` (none: nothing) chained to the step in flight; return the results read back this tick: the
+        step in flight's (lookahead off: the new step's)."""
         prev = self.inflight
         launched = None
-        if batch:
-            where = {r.id: i for i, r in enumerate(prev.reqs)} if prev else {}
-            rows = [make_row(r, where.get(r.id, -1)) for r in batch]
-            launched = InFlight(self.runner.forward(rows, prev.handle if prev else None), batch)
-            for r in batch:
-                r.num_allocated += 1
+        if rows:
+            launched = InFlight(self.runner.forward(rows, prev.handle if prev else None), spans)
+            for s in spans:
+                s.req.num_allocated += 1 + len(s.draft)
             if prev:
                 self.pipelined += 1
             if not self.enabled or not any(r.deferred for r in rows):
@@ -92,8 +129,7 @@ class Lookahead:
         sampled = self.runner.fetch(step.handle)
         logprobs = sampled.logprobs or [None] * len(sampled.tokens)
         out = []
-        for req, token, lp in zip(step.reqs, sampled.tokens, logprobs):
-            if req.status is Status.RUNNING and req.num_allocated > req.num_computed:
-                req.num_computed += 1
-                out.append((req, token, lp))
+        for s in step.spans:         # a request unwound, or whose earlier drafts were not all taken: dropped
+            if s.req.status is Status.RUNNING and s.live and s.req.num_computed == s.start:
+                out.append((s, sampled.tokens[s.at:s.end + 1], logprobs[s.at:s.end + 1]))
         return out

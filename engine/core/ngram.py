@@ -53,9 +53,14 @@ class Lookup:
     last: dict[tuple[int, ...], int] = field(default_factory=dict)    # n-gram -> the position it last ended at
     indexed: int = 0           # n-grams ending before this position are in `last`
 
-    def propose(self, prompt: list[int], output: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the longest earlier occurrence (the latest one) of the sequence's last n
-        tokens (the sequence: prompt + output, read in place)."""
+    def propose(self, prompt: list[int], output: list[int], k: int, ahead: list[int] | None = None) -> list[int]:
+        """k tokens that followed the longest earlier occurrence (the latest one) of the sequence's last n tokens (the
+        sequence: prompt + output, read in place, then `ahead`: tokens assumed to come, not indexed), or none. An
+        occurrence that runs into the sequence's end repeats what followed it with its period (LZ77's overlapping
+        copy): [7, 7, 7] proposes [7] * k, where vLLM's lookup proposes the one 7 that followed."""
+        settled = len(prompt) + len(output)
+        if ahead:
+            output = output + ahead
         size = len(prompt) + len(output)
 
         def span(lo: int, hi: int) -> tuple[int, ...]:
@@ -66,14 +71,18 @@ class Lookup:
             return tuple(prompt[lo:]) + tuple(output[:hi - len(prompt)])
 
         low, high = self.config.low, self.config.high
-        for end in range(self.indexed, size - 1):       # all but the n-grams ending at the last token: the suffix
+        for end in range(self.indexed, settled - 1):    # all but the n-grams ending at the last token: the suffix
             for n in range(low, min(high, end + 1) + 1):
                 self.last[span(end + 1 - n, end + 1)] = end
-        self.indexed = max(self.indexed, size - 1)
+        self.indexed = max(self.indexed, settled - 1)
         if k <= 0:
             return []
         for n in range(min(high, size - 1), low - 1, -1):
             end = self.last.get(span(size - n, size))
-            if end is not None:
-                return list(span(end + 1, min(end + 1 + k, size)))
+            if end is not None:        # what followed; where that reaches the present, it repeats with its period
+                out = list(span(end + 1, min(end + 1 + k, size)))
+                period = size - end - 1
+                while len(out) < k:
+                    out.append(out[len(out) - period])
+                return out
         return []

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import partial
 
 from engine.core.bad_words import BadWords
 from engine.core.sampling import SamplingParams
@@ -98,6 +100,17 @@ class Request:
     @property
     def in_flight(self) -> int:
         return self.num_allocated - self.num_computed
+
+    @property
+    def penalty_prompt(self) -> list[int] | None:
+        """The prompt, when its repetition penalty needs it."""
+        return self.prompt_ids if self.params.repetition_penalty != 1 else None
+
+    def ban_later(self) -> Callable[[], list[int]] | None:
+        """The longer bad words' bans, worked out when a row samples: from the output committed by then."""
+        if self.bad_words is None or not self.bad_words.sequences:
+            return None
+        return partial(self.bad_words.banned, self.output_ids)
 
     def take_uncounted(self) -> tuple[int, ...]:
         """Accepted drafts the penalties have not counted: they join the counts with the next row built."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING
 
+from engine.core.lookahead import Span
 from engine.core.ngram import Lookup, NgramConfig
 from engine.core.request import Request
 from engine.runners.base import Row
@@ -57,11 +58,12 @@ class Pace:
         """The chance a draft token is taken, given the one before it was (Laplace's estimate)."""
         return (self.hits + 1) / (self.hits + self.misses + 2)
 
-    def length(self, k: int, width: int, cheap: int) -> int:
+    def length(self, k: int, width: int, cheap: int, guessing: bool = False) -> int:
         """Draft tokens worth verifying in a step of `width` rows so far: the j-th pays while rate^j, the chance it
-        is reached and taken, is at least the bar of the step it widens; at least one, as a probe."""
-        j, rate = 1, self.rate
-        while j < k and rate ** (j + 1) >= worth(width + j + 1, cheap):
+        is reached and taken, is at least the bar of the step it widens (rate^(j+1) when the drafts follow a guess,
+        taken as a draft would be); at least one, as a probe."""
+        j, rate, g = 1, self.rate, int(guessing)
+        while j < k and rate ** (j + 1 + g) >= worth(width + j + 1, cheap):
             j += 1
         return j
 
@@ -74,72 +76,120 @@ class Pace:
 
 
 class Speculator:
-    def __init__(self, config: NgramConfig, rows: int, cheap: int) -> None:
+    def __init__(self, config: NgramConfig, rows: int, cheap: int, chain: bool = False) -> None:
         """`rows`: the most rows a step of the runner takes in one pass; `cheap`: how many it takes at little more
-        than one row's cost."""
-        self.config, self.rows, self.cheap = config, rows, cheap
+        than one row's cost; `chain`: launch verify steps from the step in flight (a runner whose steps run while
+        the host works, with lookahead on)."""
+        self.config, self.rows, self.cheap, self.chain = config, rows, cheap, chain
         self.lookups: dict[int, Lookup] = {}
         self.paces: dict[int, Pace] = {}
 
     def step(self, eng: Engine) -> bool:
-        """This tick's decode as a verify step, when any request drafts (False: none does; decode as usual). The
-        step in flight is read first: drafts follow the latest token, and the step runs alone."""
+        """This tick's decode as a verify step, when any request drafts (False: none does; decode as usual).
+
+        Chained (see the module's docstring): the step launches from the step in flight, its drafts following a
+        guess of the token in flight, and stays in flight itself. Otherwise the step in flight is read first, so
+        drafts follow the latest token, and the verify step is read at once: under a grammar or multi-token bad
+        words (a draft row's mask needs the tokens before it on the host), and on a runner whose steps do not
+        overlap the host (a CPU: a wrong guess would cost rows and save nothing). A request with penalties keeps
+        its counts on the device, which a void row would corrupt: its verify steps are read at once."""
+        self.settle(eng)
         batch = [r for r in eng.scheduler.decoding() if eng._wants_step(r)]
         ready = self.ready(batch)
         if not self.pays(len(batch)):
             return False
-        if not any(self._lookup(r).propose(r.prompt_ids, r.output_ids, 1) for r in ready):
-            return False                     # (without the token in flight: a guess that spares a drain)
-        for req, token, lp in eng.lookahead.drain():
-            eng._commit(req, token, lp)
+        plain = not any(_masked(r) for r in batch)
+        chain = self.chain and plain and eng.lookahead.inflight is not None
+        ahead = self._ahead(eng) if chain else {}
+        if not any(self._propose(r, 1, ahead.get(r.id))[1] for r in ready):
+            return False
+        if not chain:
+            eng._take(eng.lookahead.drain())
         batch = eng._reserve()
-        room = {r.id: min(r.params.max_tokens - len(r.output_ids), eng.max_model_len - r.seq_len) - 1 for r in batch}
+        ahead = self._ahead(eng) if chain else {}           # (short of blocks, the step in flight was read)
+        room = {r.id: min(r.params.max_tokens - len(r.output_ids), eng.max_model_len - r.seq_len) - r.in_flight - 1
+                for r in batch}
         going = {r.id for r in batch}
-        drafts = self.drafts([r for r in ready if r.id in going], len(batch), room)
+        drafts = self.drafts([r for r in ready if r.id in going], len(batch), room, ahead)
         drafts = {i: d for i, d in drafts.items() if eng.kv.grow(eng.requests[i], eng.requests[i].num_allocated +
-                                                                 1 + len(d))}   # short of blocks: no drafts
+                                                                 1 + len(d[1]))}   # short of blocks: no drafts
         if not drafts:
             return False
-        started, rows, spans = time.thread_time(), [], []
+        started, before, rows, spans = time.thread_time(), eng.lookahead.pipelined, [], []
+        where = eng.lookahead.sources()
         for req in batch:
-            draft = drafts.get(req.id, [])
-            spans.append((req, draft, len(rows)))
-            rows += self._rows(eng, req, draft)
-            req.num_allocated += 1 + len(draft)
-        handle = eng.runner.forward(rows, None)
-        eng.runner.sample(handle)
-        sampled = eng.runner.fetch(handle)
-        eng.recorder.decode_tick(batch, time.thread_time() - started, 0)
-        logprobs = sampled.logprobs or [None] * len(rows)
+            guess, draft = drafts.get(req.id, (-1, []))
+            spans.append(Span(req, len(rows), req.num_allocated, draft, guess))
+            rows += self._rows(eng, req, draft, where.get(req.id, -1))
         bar = worth(len(rows), self.cheap)
-        for req, draft, at in spans:
-            got = sampled.tokens[at:at + len(draft) + 1]
-            took = next((i for i, (t, d) in enumerate(zip(got, draft)) if t != d), len(draft))
-            for token, lp in zip(got[:took + 1], logprobs[at:at + took + 1]):
-                req.num_computed += 1
-                eng._commit(req, token, lp)
-                if req.finished:
-                    break
-            if draft:
-                self.record(req, len(draft), took, bar)
-                eng.recorder.speculated(req, len(draft), took)
-            if not req.finished:
-                req.uncounted += draft[:took] if req.params.penalized else []
-                if req.num_allocated > req.num_computed:           # the rejected drafts' positions
-                    eng.kv.trim(req, req.num_computed)
-                    req.num_allocated = req.num_computed
+        for span in spans:
+            span.bar = bar
+        results = eng.lookahead.launch(rows, spans)
+        eng.recorder.decode_tick(batch, time.thread_time() - started, eng.lookahead.pipelined - before)
+        eng._take(results)
+        if not (self.chain and plain and not any(r.params.penalized for r in batch)):
+            eng._take(eng.lookahead.drain())
         return True
 
+    def accept(self, eng: Engine, span: Span, got: list[int], logprobs: list) -> None:
+        """Commit a verify span's samples: each draft while it equals the sample before it, then one more sample.
+        (Whatever a draft followed, a guess right or wrong, its row saw the tokens before it: a draft equal to the
+        sample is the token decoding would have come to.)"""
+        req, draft = span.req, span.draft
+        took = next((i for i, (t, d) in enumerate(zip(got, draft)) if t != d), len(draft))
+        for token, lp in zip(got[:took + 1], logprobs[:took + 1]):
+            req.num_computed += 1
+            eng._commit(req, token, lp)
+            if req.finished:
+                break
+        self.record(req, len(draft), took, span.bar)
+        eng.recorder.speculated(req, len(draft), took)
+        if not req.finished:
+            req.uncounted += draft[:took] if req.params.penalized else []
+            if took < len(draft):          # the rejected drafts' positions, and any step's launched after them
+                eng.kv.trim(req, req.num_computed)
+                req.num_allocated = req.num_computed
+
+    def settle(self, eng: Engine) -> None:
+        """Drafts in flight that followed a wrong guess (the token their first row is fed, read back since) are
+        unlikely to be taken: they are given up, with their positions, so the next step follows the first row's
+        sample, which is sure, rather than the last draft's."""
+        prev = eng.lookahead.inflight
+        for s in prev.spans if prev else ():
+            req = s.req
+            if s.guess >= 0 and s.live and s.start < req.seq_len and _token(req, s.start) != s.guess:
+                self.record(req, len(s.draft), 0, s.bar)
+                eng.recorder.speculated(req, len(s.draft), 0)
+                eng.kv.trim(req, s.start + 1)
+                req.num_allocated = s.start + 1
+                s.draft, s.guess = [], -1
+
     @staticmethod
-    def _rows(eng: Engine, req: Request, draft: list[int]) -> list[Row]:
-        """The request's last token's row, then one per draft, each sampled as if the drafts before it were
-        output already (min_tokens, bad words, penalties, the grammar's mask)."""
-        first, p = eng._decode_row(req, -1), req.num_allocated
+    def _ahead(eng: Engine) -> dict[int, list[int]]:
+        """Per request in the step in flight: the tokens it assumes past the committed ones (its drafts)."""
+        prev = eng.lookahead.inflight
+        return {s.req.id: s.draft for s in prev.spans if s.live} if prev else {}
+
+    def _propose(self, req: Request, k: int, ahead: list[int] | None) -> tuple[int, list[int]]:
+        """(guess, drafts). With `ahead` (a step is in flight), the first token proposed is a guess of the token that
+        step samples, and the drafts follow it."""
+        lookup = self._lookup(req)
+        if ahead is None:
+            return -1, lookup.propose(req.prompt_ids, req.output_ids, k)
+        found = lookup.propose(req.prompt_ids, req.output_ids, k + 1, ahead)
+        return (found[0], found[1:]) if len(found) > 1 else (-1, [])
+
+    @staticmethod
+    def _rows(eng: Engine, req: Request, draft: list[int], source: int) -> list[Row]:
+        """The request's next token's row (`source`: its input's row in the step in flight; -1: the last token
+        committed), then one per draft, each sampled as if the drafts before it were output already (min_tokens,
+        bad words, penalties, the grammar's mask)."""
+        first, p = eng._decode_row(req, source), req.num_allocated
         rows = [first]
         for j, token in enumerate(draft, 1):
             later = req.bad_words and req.bad_words.sequences and partial(req.bad_words.banned,
                                                                           req.output_ids + draft[:j])
-            rows.append(replace(first, start=p + j, tokens=[token], slots=eng.kv.slots(req, p + j, p + j + 1),
+            rows.append(replace(first, start=p + j, tokens=[token], prev=-1, slots=eng.kv.slots(req, p + j, p + j + 1),
                                 groups=eng.kv.groups(req, p + j, p + j + 1), fed_output=False, counted=(),
                                 ban=eng._ban(req, j), ban_later=later or None, drafts=tuple(draft[:j]),
                                 grammar=req.grammar and req.grammar.ahead(draft[:j])))
@@ -162,23 +212,27 @@ class Speculator:
                 out.append(req)
         return out
 
-    def drafts(self, ready: list[Request], width: int, room: dict[int, int]) -> dict[int, list[int]]:
-        """Draft tokens per request id, for the ready requests that find any; `width`: the batch's rows without
-        drafts; `room`: how many tokens each request may still produce past the next one (max_tokens, context)."""
-        out: dict[int, list[int]] = {}
+    def drafts(self, ready: list[Request], width: int, room: dict[int, int],
+               ahead: dict[int, list[int]] | None = None) -> dict[int, tuple[int, list[int]]]:
+        """(guess, drafts) per request id, for the ready requests that find any; `width`: the batch's rows without
+        drafts; `room`: how many tokens each request may still produce past the next one (max_tokens, context);
+        `ahead`: the tokens the step in flight assumes, per request in it (drafts then follow a guess)."""
+        out: dict[int, tuple[int, list[int]]] = {}
+        ahead = ahead or {}
         for req in ready:
             pace = self.paces.get(req.id)
             if not self.pays(width):
                 break
-            k = min(pace.length(self.config.k, width, self.cheap) if pace else 1, self.rows - width,
+            guessing = req.id in ahead
+            k = min(pace.length(self.config.k, width, self.cheap, guessing) if pace else 1, self.rows - width,
                     room.get(req.id, 0))
             if k <= 0:
                 continue
-            draft = self._lookup(req).propose(req.prompt_ids, req.output_ids, k)
+            guess, draft = self._propose(req, k, ahead.get(req.id))
             if draft and req.grammar is not None:          # only what the grammar takes: the rest would be refused
                 draft = draft[:req.grammar.legal(draft)]
             if draft:
-                out[req.id] = draft
+                out[req.id] = guess, draft
                 width += len(draft)
         return out
 
@@ -192,3 +246,14 @@ class Speculator:
     def release(self, req: Request) -> None:
         self.lookups.pop(req.id, None)
         self.paces.pop(req.id, None)
+
+
+def _masked(req: Request) -> bool:
+    """Whether its rows' masks are read from the output committed when they sample (a grammar, multi-token bad
+    words): its drafts cannot follow a guess."""
+    return req.grammar is not None or req.ban_later() is not None
+
+
+def _token(req: Request, position: int) -> int:
+    return req.output_ids[position - len(req.prompt_ids)] if position >= len(req.prompt_ids) else \
+        req.prompt_ids[position]

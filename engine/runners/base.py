@@ -99,6 +99,7 @@ class ModelRunner(Protocol):
     tokens_computed: int          # positions run through the model, prefill and decode
     step_rows: int                # the most decode rows a step runs in one pass (verify steps' cap)
     cheap_rows: int               # how many of them a step takes at little more than one row's cost
+    overlaps: bool                # a step runs while the host works (launched steps queue on a device)
 
     def init_paged(self, num_blocks: int, block_size: int, layout: Layout | None = None) -> None:
         """A pool of num_blocks blocks, each `layout.width` layers' pages (None: one group of every layer)."""

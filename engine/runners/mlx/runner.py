@@ -43,6 +43,7 @@ class MLXRunner:
         self.keys: dict[int, mx.array] = {}
         self.tokens_computed = 0
         self.step_rows = self.cheap_rows = 16
+        self.overlaps = True              # mx.async_eval: a step runs while the next is built
 
     def kv_budget(self, utilization: float, prefill_tokens: int) -> int | None:
         return None                   # unified memory: kv_cache_bytes bounds the pool

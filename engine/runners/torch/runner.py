@@ -83,6 +83,7 @@ class TorchRunner:
         stack = self.model.stack
         self.step_rows = stack.max_rows if stack else cpu_gemv.MAX_ROWS if fused else max(8, max_batch_size)
         self.cheap_rows = stack.cheap_rows if stack else self.step_rows
+        self.overlaps = self.device.type == "cuda"
         if compile and fused:
             log.info("compile: decode runs the fused CPU kernels, which outrun the compiled graph; not compiling")
         self.compile = compile and not fused
