@@ -89,7 +89,8 @@ def test_drafts_are_as_long_as_they_pay():
     """A first draft is a one-token probe; drafts grow while they are taken (each token while its chance of being
     reached and taken is at least the bar of the step it widens), shrink as the step widens, stop where no row
     pays and at the rows a step takes; rounds below the bar make the sequence skip the next 1, 2, 4 ... chances
-    (up to MAX_SKIP), then probe again."""
+    (up to MAX_SKIP), then probe again. Past the runner's cheap rows a sequence probes no more: it drafts only what
+    its rate says pays there."""
     spec = Speculator(NgramConfig(4, 1, 1), rows=32, cheap=8)
     req = Request(1, [5, 6, 7, 8, 9, 10, 11], SamplingParams())
     req.output_ids = [5, 6]
@@ -104,6 +105,10 @@ def test_drafts_are_as_long_as_they_pay():
     assert widths == sorted(widths, reverse=True) and widths[0] == 4 and widths[-2] == 1 and widths[-1] == 0
     probe = Speculator(NgramConfig(4, 1, 1), rows=32, cheap=8)
     assert unguessed(probe.drafts([req], 7, {1: 10})) == {1: [7]}     # a probe
+    late = Speculator(NgramConfig(4, 1, 1), rows=32, cheap=4)       # past the cheap rows: no probe, a sure draft
+    assert late.drafts([req], 4, {1: 10}) == {} and unguessed(late.drafts([req], 3, {1: 10})) == {1: [7]}
+    late.paces = spec.paces
+    assert unguessed(late.drafts([req], 4, {1: 10}))[1][0] == 7
     narrow = Speculator(NgramConfig(4, 1, 1), rows=3, cheap=8)
     narrow.paces = spec.paces
     assert unguessed(narrow.drafts([req], 1, {1: 10})) == {1: [7, 8]}      # two rows to spare in a pass of 3

@@ -226,8 +226,8 @@ class Speculator:
             guessing = req.id in ahead
             k = min(pace.length(self.config.k, width, self.cheap, guessing) if pace else 1, self.rows - width,
                     room.get(req.id, 0))
-            if k <= 0:
-                continue
+            if k <= 0 or (width >= self.cheap and (pace.rate if pace else 0.5) < worth(width + 1, self.cheap)):
+                continue            # a probe past the cheap rows costs more than the estimate says it could find
             guess, draft = self._propose(req, k, ahead.get(req.id))
             if draft and req.grammar is not None:          # only what the grammar takes: the rest would be refused
                 draft = draft[:req.grammar.legal(draft)]
