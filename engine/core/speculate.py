@@ -11,7 +11,12 @@ yields without it (`worth`): a row adds ROW_COST of a one-row step while the ste
 rows (the weights are read once for every row), LATE_COST past them (the products bound the step), and a step
 yields about a token a row, so the bar rises with the step's width and a full batch does not pay for drafts.
 Per sequence, a round whose acceptance falls below the bar makes it skip the next 1, 2, 4 ... 32 chances to draft,
-and a round above it resets that."""
+and a round above it resets that; past the cheap rows it does not probe at all (a row there costs more than a probe
+could find).
+
+Where a runner's steps overlap the host (`chain`), a verify step launches from the step in flight (its first row fed
+that step's token on the device, its drafts following a guess of that token) and stays in flight; the step after it
+chains from each sequence's last draft row (engine/core/lookahead.py: spans)."""
 from __future__ import annotations
 
 import time
