@@ -71,10 +71,13 @@ class Lookahead:
         rows = [make_row(r, where.get(r.id, -1)) for r in batch]
         return self.launch(rows, [Span(r, i, r.num_allocated) for i, r in enumerate(batch)])
 
+    def live(self) -> dict[int, Span]:
+        """The step in flight's spans whose positions are still their requests', by request id."""
+        return {s.req.id: s for s in self.inflight.spans if s.live} if self.inflight else {}
+
     def sources(self) -> dict[int, int]:
         """Per request in the step in flight: the row whose sample a step launched now is fed."""
-        prev = self.inflight
-        return {s.req.id: s.end for s in prev.spans if s.live} if prev else {}
+        return {i: s.end for i, s in self.live().items()}
 
     def launch(self, rows: list[Row], spans: list[Span]) -> list[Result]:
         """Launch `rows` (none: nothing) chained to the step in flight; return the results read back this tick: the

@@ -106,11 +106,17 @@ class Request:
         """The prompt, when its repetition penalty needs it."""
         return self.prompt_ids if self.params.repetition_penalty != 1 else None
 
-    def ban_later(self) -> Callable[[], list[int]] | None:
-        """The longer bad words' bans, worked out when a row samples: from the output committed by then."""
-        if self.bad_words is None or not self.bad_words.sequences:
+    @property
+    def late_bans(self) -> bool:
+        """Bad words of more than one token: a row's bans depend on the output before it."""
+        return self.bad_words is not None and bool(self.bad_words.sequences)
+
+    def ban_later(self, drafts: list[int] | None = None) -> Callable[[], list[int]] | None:
+        """The longer bad words' bans, worked out when a row samples: from the output committed by then (and a
+        verify row's drafts before it)."""
+        if not self.late_bans:
             return None
-        return partial(self.bad_words.banned, self.output_ids)
+        return partial(self.bad_words.banned, self.output_ids + drafts if drafts else self.output_ids)
 
     def take_uncounted(self) -> tuple[int, ...]:
         """Accepted drafts the penalties have not counted: they join the counts with the next row built."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import TYPE_CHECKING
 
 from engine.core.lookahead import Span
@@ -103,8 +102,9 @@ class Speculator:
         ready = self.ready(batch)
         if not self.pays(len(batch)):
             return False
-        plain = not any(_masked(r) for r in batch)
+        plain = not any(r.grammar is not None or r.late_bans for r in batch)    # no mask needs the host's tokens
         chain = self.chain and plain and eng.lookahead.inflight is not None
+        keep = self.chain and plain and not any(r.params.penalized for r in batch)     # stays in flight
         ahead = self._ahead(eng) if chain else {}
         if not any(self._propose(r, 1, ahead.get(r.id))[1] for r in ready):
             return False
@@ -132,7 +132,7 @@ class Speculator:
         results = eng.lookahead.launch(rows, spans)
         eng.recorder.decode_tick(batch, time.thread_time() - started, eng.lookahead.pipelined - before)
         eng._take(results)
-        if not (self.chain and plain and not any(r.params.penalized for r in batch)):
+        if not keep:
             eng._take(eng.lookahead.drain())
         return True
 
@@ -172,8 +172,7 @@ class Speculator:
     @staticmethod
     def _ahead(eng: Engine) -> dict[int, list[int]]:
         """Per request in the step in flight: the tokens it assumes past the committed ones (its drafts)."""
-        prev = eng.lookahead.inflight
-        return {s.req.id: s.draft for s in prev.spans if s.live} if prev else {}
+        return {i: s.draft for i, s in eng.lookahead.live().items()}
 
     def _propose(self, req: Request, k: int, ahead: list[int] | None) -> tuple[int, list[int]]:
         """(guess, drafts). With `ahead` (a step is in flight), the first token proposed is a guess of the token that
@@ -192,11 +191,9 @@ class Speculator:
         first, p = eng._decode_row(req, source), req.num_allocated
         rows = [first]
         for j, token in enumerate(draft, 1):
-            later = req.bad_words and req.bad_words.sequences and partial(req.bad_words.banned,
-                                                                          req.output_ids + draft[:j])
             rows.append(replace(first, start=p + j, tokens=[token], prev=-1, slots=eng.kv.slots(req, p + j, p + j + 1),
                                 groups=eng.kv.groups(req, p + j, p + j + 1), fed_output=False, counted=(),
-                                ban=eng._ban(req, j), ban_later=later or None, drafts=tuple(draft[:j]),
+                                ban=eng._ban(req, j), ban_later=req.ban_later(draft[:j]), drafts=tuple(draft[:j]),
                                 grammar=req.grammar and req.grammar.ahead(draft[:j])))
         return rows
 
@@ -252,11 +249,6 @@ class Speculator:
         self.lookups.pop(req.id, None)
         self.paces.pop(req.id, None)
 
-
-def _masked(req: Request) -> bool:
-    """Whether its rows' masks are read from the output committed when they sample (a grammar, multi-token bad
-    words): its drafts cannot follow a guess."""
-    return req.grammar is not None or req.ban_later() is not None
 
 
 def _token(req: Request, position: int) -> int:
