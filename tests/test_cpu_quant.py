@@ -80,12 +80,12 @@ def int8(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("kind", list(cpu_quant.TYPES))
-@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("m", [1, 3, 8, 13])
 @pytest.mark.parametrize("acts", ["float32", "int8", "int8 packed", "int16 packed"])
 def test_the_gemv_is_the_float_product_of_the_dequantized_blocks(kind, m, target, acts):
     """float32: with x itself; int8: with x rounded per 32 values (the float types always take x itself), from the
-    file's layout or from rows packed in groups of 8 (37 rows: 4 groups and 5 rows in the file's layout); int16: the
-    products of x's rounding and of its remainder's, summed."""
+    file's layout or from rows packed in groups of 8 (37 rows: 4 groups and 5 rows in the file's layout; 13 input
+    rows: more than one tile of them); int16: the products of x's rounding and of its remainder's, summed."""
     b = blocks(kind, 37, 512, seed=2)
     bias = torch.randn(37)
     q = QLinear([b], bias, kernel(target))

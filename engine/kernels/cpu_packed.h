@@ -208,10 +208,14 @@ static inline void group_dot(const uint8_t* p, const XBlock* x, __m256 acc[C]) {
             const __m256 s = P::scale(p, u);
             [[maybe_unused]] __m256 mn;
             if constexpr (P::MIN) mn = P::mins(p, u);
-            for (int c = 0; c < C; c++) {
-                const int* i16 = x[c].i16 + 2 * col;
-                __m256i a = start<P::OFF>(P::UNIT == 32 ? i16[0] + i16[1] : i16[half]);
-                for (int j = 0; j < PER; j++) a = dot4<P::OFF>(a, q[j], x[c].q + 32 * col + 4 * (g0 + j));
+            for (int c = 0; c < C; c++) {      // two chains of dot products a row: vpdpbusd's latency, not its
+                const int* i16 = x[c].i16 + 2 * col;    // throughput, bounded a step of several input rows
+                __m256i a = start<P::OFF>(P::UNIT == 32 ? i16[0] + i16[1] : i16[half]), b = _mm256_setzero_si256();
+                for (int j = 0; j < PER; j += 2) {
+                    a = dot4<P::OFF>(a, q[j], x[c].q + 32 * col + 4 * (g0 + j));
+                    b = dot4<P::OFF>(b, q[j + 1], x[c].q + 32 * col + 4 * (g0 + j + 1));
+                }
+                a = _mm256_add_epi32(a, b);
                 acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(s, _mm256_set1_ps(x[c].dx[col])), acc[c]);
                 if constexpr (P::MIN) acc[c] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(x[c].xs[col]), acc[c]);
             }
