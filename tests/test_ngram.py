@@ -72,11 +72,12 @@ def test_bad_config_names_the_key(value, why):
 def test_a_row_pays_at_a_bar_that_rises_with_the_step():
     """The row that makes a step w rows pays when its chance of being taken covers what it adds against what the
     step yields without it: ROW_COST for a first draft at concurrency 1, more in a wider step, more again past the
-    runner's cheap rows; past a float CPU's 8 cheap rows a row never pays."""
+    runner's cheap rows; a float CPU's pass of 8 rows takes no draft past them."""
     bars = [worth(w, 4) for w in range(2, 33)]
     assert bars[0] == pytest.approx(ROW_COST) and bars == sorted(set(bars)) and bars[-1] < 1
     assert worth(5, 4) - worth(4, 4) > worth(4, 4) - worth(3, 4)
-    assert worth(8, 8) < 1 <= worth(9, 8)
+    full = Speculator(NgramConfig(4, 1, 1), rows=8, cheap=8)
+    assert full.pays(7) and not full.pays(8)
 
 
 def unguessed(found: dict[int, tuple[int, list[int]]]) -> dict[int, list[int]]:
@@ -123,3 +124,30 @@ def test_drafts_are_as_long_as_they_pay():
     skips = [n for n in skips if n]         # rounds while the rate was still above the bar skip nothing
     assert skips[:6] == [1, 2, 4, 8, 16, MAX_SKIP] and set(skips[6:]) == {MAX_SKIP}
     assert spec.paces[1].rate < worth(2, 8)
+
+
+def test_past_the_cheap_rows_shadow_drafts_earn_a_record():
+    """Past the runner's cheap rows a sequence without a record drafts nothing: it proposes without verifying (no
+    row), and once decoding has sampled that position the proposal counts as a token taken or not. Taken ones raise
+    its rate until a draft pays there; a refused one lowers it. None is a draft for the metrics or the backoff."""
+    spec = Speculator(NgramConfig(4, 1, 1), rows=32, cheap=4)
+    req = Request(1, [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], SamplingParams())
+    req.output_ids = [5, 6]
+    rounds = 0
+    while not (found := unguessed(spec.drafts([req], 4, {1: 10}))):
+        position, token = spec.shadows[1]
+        assert position == req.seq_len and token == req.output_ids[-1] + 1     # what followed in the prompt
+        req.output_ids.append(token)                                           # decoding sampled it
+        spec.compare([req])
+        assert 1 not in spec.shadows and spec.paces[1].skip == 0
+        rounds += 1
+    assert 1 < rounds < 12 and spec.paces[1].rate >= worth(5, 4) and found == {1: [req.output_ids[-1] + 1]}
+    cold = Speculator(NgramConfig(4, 1, 1), rows=32, cheap=4)
+    assert cold.drafts([req], 4, {1: 10}) == {}
+    position, token = cold.shadows[1]
+    req.output_ids.append(token + 100)                                          # sampled otherwise
+    cold.compare([req])
+    assert cold.paces[1].rate < Pace().rate and cold.paces[1].skip == 0
+    assert cold.drafts([req], 4, {1: 10}) == {} and 1 not in cold.shadows       # a token not seen before: no proposal
+    cold.release(req)
+    assert not cold.shadows and not cold.paces

@@ -11,8 +11,10 @@ yields without it (`worth`): a row adds ROW_COST of a one-row step while the ste
 rows (the weights are read once for every row), LATE_COST past them (the products bound the step), and a step
 yields about a token a row, so the bar rises with the step's width and a full batch does not pay for drafts.
 Per sequence, a round whose acceptance falls below the bar makes it skip the next 1, 2, 4 ... 32 chances to draft,
-and a round above it resets that; past the cheap rows it does not probe at all (a row there costs more than a probe
-could find).
+and a round above it resets that. Past the cheap rows it does not probe (a row there costs more than a probe could
+find): it proposes without verifying, and the token decoding then samples tells whether the proposal would have been
+taken (a shadow draft: under sampling too, the sample equals a draft x with probability p(x), the chance the rule
+takes x), so its record grows without costing a row.
 
 Where a runner's steps overlap the host (`chain`), a verify step launches from the step in flight (its first row fed
 that step's token on the device, its drafts following a guess of that token) and stays in flight; the step after it
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
 
 MAX_SKIP = 32
 ROW_COST = 0.15  # a decode row's cost in one-row steps, within the runner's step_rows (perf.bench_rows)
-LATE_COST = 0.3  # past them: 0.15 on an Intel Xeon with AMX, 0.3 on an AMD EPYC (int8 blocks, 2 threads)
+LATE_COST = 0.25  # past them: 0.15 on an Intel Xeon with AMX, 0.24 on an AMD EPYC (int8 blocks, 2 threads)
 DECAY = 0.8      # per verify round, of the counts a sequence's acceptance rate is estimated from
 
 
@@ -71,6 +73,10 @@ class Pace:
             j += 1
         return j
 
+    def observe(self, taken: bool) -> None:
+        """A shadow draft of one token: counted as a round, without the backoff of a verified one."""
+        self.hits, self.misses = DECAY * self.hits + taken, DECAY * self.misses + (not taken)
+
     def record(self, drafted: int, accepted: int, bar: float) -> None:
         self.hits, self.misses = DECAY * self.hits + accepted, DECAY * self.misses + (accepted < drafted)
         if self.rate >= bar:
@@ -87,6 +93,7 @@ class Speculator:
         self.config, self.rows, self.cheap, self.chain = config, rows, cheap, chain
         self.lookups: dict[int, Lookup] = {}
         self.paces: dict[int, Pace] = {}
+        self.shadows: dict[int, tuple[int, int]] = {}      # request id: (position, the token proposed there)
 
     def step(self, eng: Engine) -> bool:
         """This tick's decode as a verify step, when any request drafts (False: none does; decode as usual).
@@ -111,6 +118,7 @@ class Speculator:
         if not chain:
             eng._take(eng.lookahead.drain())
         batch = eng._reserve()
+        self.compare(batch)                                 # (after the step in flight was read, unless chained)
         ahead = self._ahead(eng) if chain else {}           # (short of blocks, the step in flight was read)
         room = {r.id: min(r.params.max_tokens - len(r.output_ids), eng.max_model_len - r.seq_len) - r.in_flight - 1
                 for r in batch}
@@ -228,8 +236,11 @@ class Speculator:
             guessing = req.id in ahead
             k = min(pace.length(self.config.k, width, self.cheap, guessing) if pace else 1, self.rows - width,
                     room.get(req.id, 0))
-            if k <= 0 or (width >= self.cheap and (pace.rate if pace else 0.5) < worth(width + 1, self.cheap)):
-                continue            # a probe past the cheap rows costs more than the estimate says it could find
+            if k <= 0:
+                continue
+            if width >= self.cheap and (pace.rate if pace else 0.5) < worth(width + 1, self.cheap):
+                self.shadow(req, ahead.get(req.id))   # a probe here costs more than the estimate says it could find
+                continue
             guess, draft = self._propose(req, k, ahead.get(req.id))
             if draft and req.grammar is not None:          # only what the grammar takes: the rest would be refused
                 draft = draft[:req.grammar.legal(draft)]
@@ -237,6 +248,19 @@ class Speculator:
                 out[req.id] = guess, draft
                 width += len(draft)
         return out
+
+    def shadow(self, req: Request, ahead: list[int] | None) -> None:
+        """Propose the request's next token without verifying it (`compare` scores it once it is sampled)."""
+        found = self._lookup(req).propose(req.prompt_ids, req.output_ids, 1, ahead)
+        if found:
+            self.shadows[req.id] = req.seq_len + len(ahead or ()), found[0]
+
+    def compare(self, batch: list[Request]) -> None:
+        """Score the shadow drafts whose position has been sampled since."""
+        for req in batch:
+            if (shadow := self.shadows.get(req.id)) and shadow[0] < req.seq_len:
+                del self.shadows[req.id]
+                self.paces.setdefault(req.id, Pace()).observe(_token(req, shadow[0]) == shadow[1])
 
     def pays(self, width: int) -> bool:
         """Whether a row past a step of `width` rows fits in the pass and could pay, were its draft surely taken."""
@@ -248,6 +272,7 @@ class Speculator:
     def release(self, req: Request) -> None:
         self.lookups.pop(req.id, None)
         self.paces.pop(req.id, None)
+        self.shadows.pop(req.id, None)
 
 
 
