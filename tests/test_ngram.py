@@ -129,7 +129,8 @@ def test_drafts_are_as_long_as_they_pay():
 def test_past_the_cheap_rows_shadow_drafts_earn_a_record():
     """Past the runner's cheap rows a sequence without a record drafts nothing: it proposes without verifying (no
     row), and once decoding has sampled that position the proposal counts as a token taken or not. Taken ones raise
-    its rate until a draft pays there; a refused one lowers it. None is a draft for the metrics or the backoff."""
+    its rate until a draft pays there; a refused one lowers it. None is a draft for the metrics or the backoff, none
+    is proposed behind drafts in flight, and a verify step's record replaces a pending one."""
     spec = Speculator(NgramConfig(4, 1, 1), rows=32, cheap=4)
     req = Request(1, [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], SamplingParams())
     req.output_ids = [5, 6]
@@ -142,6 +143,10 @@ def test_past_the_cheap_rows_shadow_drafts_earn_a_record():
         assert 1 not in spec.shadows and spec.paces[1].skip == 0
         rounds += 1
     assert 1 < rounds < 12 and spec.paces[1].rate >= worth(5, 4) and found == {1: [req.output_ids[-1] + 1]}
+    spec.shadows[1] = req.seq_len, 0
+    assert spec.drafts([req], 4, {1: 10}) and 1 not in spec.shadows    # a verify step records it instead
+    behind = Speculator(NgramConfig(4, 1, 1), rows=32, cheap=4)        # behind drafts in flight: no shadow
+    assert behind.drafts([req], 4, {1: 10}, {1: [3]}) == {} and not behind.shadows
     cold = Speculator(NgramConfig(4, 1, 1), rows=32, cheap=4)
     assert cold.drafts([req], 4, {1: 10}) == {}
     position, token = cold.shadows[1]

@@ -247,13 +247,18 @@ class Speculator:
             if draft:
                 out[req.id] = guess, draft
                 width += len(draft)
+                self.shadows.pop(req.id, None)        # its record now comes from the verify step
         return out
 
     def shadow(self, req: Request, ahead: list[int] | None) -> None:
-        """Propose the request's next token without verifying it (`compare` scores it once it is sampled)."""
-        found = self._lookup(req).propose(req.prompt_ids, req.output_ids, 1, ahead)
-        if found:
-            self.shadows[req.id] = req.seq_len + len(ahead or ()), found[0]
+        """Propose the request's next token without verifying it (`compare` scores it once it is sampled). Not
+        behind drafts in flight (rejected, their position would be sampled after other tokens), nor a token the
+        grammar refuses (no draft would carry it)."""
+        if ahead:
+            return
+        found = self._lookup(req).propose(req.prompt_ids, req.output_ids, 1)
+        if found and (req.grammar is None or req.grammar.legal(found)):
+            self.shadows[req.id] = req.seq_len, found[0]
 
     def compare(self, batch: list[Request]) -> None:
         """Score the shadow drafts whose position has been sampled since."""
