@@ -46,5 +46,5 @@ while True:
             cached = int(result.as_numpy("cached_tokens")[0])
     if response.parameters["triton_final_response"].bool_param:
         break
-client.stop_stream()
+client.stop_stream(cancel_requests=True)     # the final response is in: close without waiting on the server
 print(f"\n[finish_reason={finish_reason}, cached_tokens={cached}]")
