@@ -109,7 +109,7 @@ def stream_grpc(url: str, model: str, prompt: str | list[int], params: dict,
             if response.parameters["triton_final_response"].bool_param:
                 break
     finally:
-        client.stop_stream(cancel_requests=True)    # nothing is pending: no wait for the server to end the stream
+        client.stop_stream()
         client.close()
     return result
 

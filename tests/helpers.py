@@ -111,7 +111,7 @@ def collect(server, inputs, cancel_after: int | None = None, timeout: float = 60
                 client.stop_stream(cancel_requests=True)
                 break
     finally:
-        client.stop_stream(cancel_requests=True)    # nothing is pending: no wait for the server to end the stream
+        client.stop_stream()
         client.close()
     return responses, error
 
