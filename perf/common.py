@@ -34,7 +34,8 @@ def decode_rate(times: Sequence[float]) -> float:
 
 def greedy_run(engine: Engine, prompt: str | list[int], max_tokens: int, lookahead: bool | None = None,
                **params) -> tuple[float, float]:
-    """One greedy request (EOS ignored) through the engine in process: (TTFT in seconds, decode tok/s).
+    """One request (EOS ignored; greedy unless `params` say otherwise) through the engine in process: (TTFT in
+    seconds, decode tok/s).
     `lookahead` switches the engine's lookahead for this request (False: the PAGODA_FORCE_SYNC path); `params`
     are more SamplingParams (logprobs=5)."""
     if lookahead is not None:
@@ -42,7 +43,7 @@ def greedy_run(engine: Engine, prompt: str | list[int], max_tokens: int, lookahe
     times: list[float] = []
     engine.on_delta = lambda d: times.extend([time.perf_counter()] * len(d.token_ids))
     start = time.perf_counter()
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **params)
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **{"temperature": 0, **params})
     engine.add(engine.make_request(prompt, sampling))
     while engine.has_work:
         engine.step()

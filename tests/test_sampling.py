@@ -6,7 +6,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.runners.base import Row
-from engine.runners.torch.sampler import sample, sample_one
+from engine.runners.torch import sampler
+from engine.runners.torch.sampler import draw, nucleus, sample, sample_one
 from tests.helpers import random_ids
 
 
@@ -42,6 +43,29 @@ def test_top_k_and_top_p_restrict_support():
     # softmax mass: ~0.665, 0.245, 0.09: top_p 0.8 keeps the first two
     p8 = {int(sample_one(logits, SamplingParams(top_p=0.8), gen)) for _ in range(300)}
     assert p8 == {0, 1}
+
+
+def test_draws_follow_the_distribution_and_never_pick_a_zero():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0]) * 3            # unnormalised, zeros at both ends
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.stack([draw(probs, gen) for _ in range(6000)]), minlength=6).float()
+    assert counts[[0, 2, 5]].sum() == 0
+    assert torch.allclose(counts / 6000, probs / probs.sum(), atol=0.025)
+    a, b = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    assert [int(draw(probs, a)) for _ in range(8)] == [int(draw(probs, b)) for _ in range(8)]
+
+
+@pytest.mark.parametrize("spread", [0.5, 2.0, 8.0])        # flat: the cut past the first tokens; peaked: among them
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.999])
+def test_the_nucleus_is_what_sorting_the_whole_vocabulary_keeps(spread, top_p, monkeypatch):
+    monkeypatch.setattr(sampler, "NUCLEUS_FIRST", (16, 64))
+    probs = (torch.randn(5000, generator=torch.Generator().manual_seed(int(spread * 10))) * spread).softmax(-1)
+    ordered, order = torch.sort(probs, descending=True)
+    drop = ordered.cumsum(-1) - ordered > top_p
+    want = torch.ones(5000, dtype=torch.bool).index_fill_(0, order[drop], False)
+    kept, ids = nucleus(probs, top_p)
+    assert torch.equal(torch.zeros(5000, dtype=torch.bool).index_fill_(0, ids, True), want)
+    assert torch.equal(kept, probs[ids]) and 1 <= len(ids) < 5000 and bool((kept[:-1] >= kept[1:]).all())
 
 
 def test_ban_masks_tokens():
