@@ -206,3 +206,24 @@ def test_bench_rows_times_every_row_count(tiny_dir, capsys):
     assert set(times) == {1, 3} and all(len(t) == 2 and all(ms > 0 for ms in t) for t in times.values())
     out = capsys.readouterr().out
     assert "x the fewest rows' step" in out and out.count("\n") >= 4
+
+
+def test_spec_bound_replays_the_proposals_against_the_step_costs():
+    from perf.spec_bound import replay
+    prompt = list(range(10, 18))
+    out = list(prompt)               # repeated: nothing matches until (10, 11), then 4 drafts, then the last token
+    flat = {1: 1.0, 32: 1.0}         # every step the same cost: the bound is tokens a step
+    assert replay(prompt, out, flat, 1, 4, False) == 8 / 4
+    rows = {1: 1.0, 32: 32.0}        # every row a one-row step's cost: drafts win nothing
+    assert replay(prompt, out, rows, 1, 4, False) == 8 / (1 + 1 + 5 + 2)
+    assert replay(prompt, out, flat, 4, 4, False) == 8 / 4         # c rows a step, against c rows
+    assert 1.0 <= replay(prompt, out, flat, 1, 4, True) <= 2.0      # the engine's lengths: no better than the bound
+
+
+def test_spec_bound_prints_policy_and_bound_per_workload(tiny_dir, capsys):
+    from perf import bench_spec, spec_bound
+    rows = spec_bound.main(["--model", tiny_dir, "--max-tokens", "8", "--k", "2"])
+    assert [(r[0], r[1]) for r in rows] == [(w, c) for w in bench_spec.WORKLOADS if w not in bench_spec.SAMPLED
+                                            for c in (1, 4)]
+    assert all(float(r[4]) >= 1.0 for r in rows) and all((r[3] != "") == (r[1] == 1) for r in rows)
+    assert "a step's ms by rows: 1: " in capsys.readouterr().out

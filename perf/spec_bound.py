@@ -1,0 +1,106 @@
+"""How far n-gram speculation could go on bench_spec's workloads on this CPU: the greedy tokens a workload's request
+decodes (spec off, after a warm-up, as bench_spec's pairs run), replayed against the proposer with the step costs
+this CPU measures (bench_rows' step at 1-32 rows, interpolated). Per workload and concurrency (c identical
+requests, as bench_spec sends them):
+
+- policy: the engine's draft lengths (Pace, one sequence alone; concurrency 1), a model of what bench_spec measures;
+- bound: each step drafting exactly the proposal's tokens that will be taken, no more (no draft policy does
+  better with this proposer and these step costs).
+
+Both are decode tok/s against one token a one-row step (c rows a step at concurrency c).
+
+    python -m perf.spec_bound [--model FILE|DIR] [--k 8] [--max-tokens 160] [--threads 2]"""
+from __future__ import annotations
+
+import argparse
+
+from engine.config import EngineConfig
+from engine.core.engine import Engine
+from engine.core.ngram import Lookup, NgramConfig
+from engine.core.sampling import SamplingParams
+from engine.core.speculate import Pace, worth
+from perf.bench_rows import step_ms
+from perf.bench_spec import SAMPLED, WORKLOADS, default_model, prompt_of, run
+from perf.common import cpu_model, table
+
+ROWS = (1, 2, 4, 8, 16, 32)
+
+
+def costs(engine: Engine) -> dict[int, float]:
+    """Milliseconds a decode step of each of ROWS rows (median of 3, interleaved)."""
+    step_ms(engine, 1, 8)
+    got: dict[int, list[float]] = {r: [] for r in ROWS}
+    for _ in range(3):
+        for r in ROWS:
+            got[r].append(step_ms(engine, r, 24))
+    return {r: sorted(t)[1] for r, t in got.items()}
+
+
+def price(ms: dict[int, float], rows: int) -> float:
+    """A step of `rows` rows in milliseconds, linear between the measured counts."""
+    known = sorted(ms)
+    for lo, hi in zip(known, known[1:]):
+        if rows <= hi:
+            return ms[lo] + (ms[hi] - ms[lo]) * (rows - lo) / (hi - lo)
+    return ms[known[-1]] * rows / known[-1]
+
+
+def tokens(engine: Engine, prompt: list[int], c: int, max_tokens: int) -> list[int]:
+    """The greedy tokens one of c identical requests decodes, the prompt cache warmed as bench_spec's pairs find it."""
+    run(engine, [prompt], 8)
+    reqs = [engine.make_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0)) for _ in range(c)]
+    for r in reqs:
+        engine.add(r)
+    engine.on_delta = lambda d: None
+    while engine.has_work:
+        engine.step()
+    return list(reqs[0].output_ids)
+
+
+def replay(prompt: list[int], out: list[int], ms: dict[int, float], c: int, k: int, policy: bool) -> float:
+    """Decode tok/s of the replay against c rows a one-row step each (see the module's docstring)."""
+    lookup, pace, cheap = Lookup(NgramConfig(k, 2, 5)), Pace(), 4
+    i, spent = 0, 0.0
+    while i < len(out):
+        if policy and pace.skip:
+            pace.skip, draft = pace.skip - 1, []
+        else:
+            draft = lookup.propose(prompt, out[:i], pace.length(k, c, cheap) if policy else k)
+        took = next((j for j, (a, b) in enumerate(zip(draft, out[i:])) if a != b), min(len(draft), len(out) - i))
+        if not policy:
+            draft = draft[:took]
+        spent += price(ms, c * (1 + len(draft)))
+        if draft and policy:
+            pace.record(len(draft), took, worth(c + len(draft), cheap))
+        i += 1 + took
+    return len(out) * price(ms, c) / spent
+
+
+def main(argv: list[str] | None = None) -> list[list[str]]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model")
+    ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    model = args.model or default_model()
+    engine = Engine(EngineConfig(model=model, num_threads=args.threads, max_batch_size=max(ROWS)),
+                    on_delta=lambda d: None)
+    ms = costs(engine)
+    rows = []
+    for name, text in WORKLOADS.items():
+        if name in SAMPLED:
+            continue
+        prompt = prompt_of(engine, text)
+        for c in (1, 4):
+            out = tokens(engine, prompt, c, args.max_tokens)
+            model_of = f"{replay(prompt, out, ms, c, args.k, True):.2f}" if c == 1 else ""
+            rows.append([name, c, len(out), model_of, f"{replay(prompt, out, ms, c, args.k, False):.2f}"])
+    print(f"{model}: {args.threads} threads, {cpu_model()}; k={args.k}, prompt_lookup 2-5; a step's ms by rows: "
+          + ", ".join(f"{r}: {t:.1f}" for r, t in ms.items()))
+    print(table(["workload", "conc", "tokens", "policy (x spec off)", "bound (x spec off)"], rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
