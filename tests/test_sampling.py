@@ -85,3 +85,19 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch(tiny_dir):
     other = llm.generate(random_ids(30, seed=1), SamplingParams(max_tokens=20, temperature=1.0, seed=43,
                                                                 ignore_eos=True))[0].token_ids
     assert other != alone
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_top_k_draws_from_the_renormalised_k_most_likely(top_p):
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(3)) * 2
+    p = SamplingParams(temperature=0.7, top_k=6, top_p=top_p)
+    want = (logits / 0.7).masked_fill(logits < torch.topk(logits, 6).values[-1], float("-inf")).softmax(-1)
+    ordered, order = torch.sort(want, descending=True)
+    want[order[ordered.cumsum(-1) - ordered > top_p]] = 0
+    want /= want.sum()
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.stack([sample_one(logits, p, gen) for _ in range(5000)]), minlength=1000)
+    assert set(counts.nonzero().flatten().tolist()) == set(want.nonzero().flatten().tolist())
+    assert torch.allclose(counts / 5000, want, atol=0.025)
+    tied = torch.tensor([3.0, 1.0, 2.0, 2.0, -1.0])          # the 2nd most likely ties with the 3rd: both stay
+    assert {int(sample_one(tied, SamplingParams(top_k=2), gen)) for _ in range(300)} == {0, 2, 3}

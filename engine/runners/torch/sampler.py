@@ -42,33 +42,42 @@ def sample_one(logits: torch.Tensor, p: SamplingParams, generator: torch.Generat
     if p.min_p > 0:
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
-    if p.top_k > 0 and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if 0 < p.top_k < logits.shape[-1]:
+        top, ids = torch.topk(logits, p.top_k)
+        # on a CPU, unless others tie with the k-th, the k tokens alone, their softmax already in falling order
+        if logits.device.type == "cpu" and int((logits >= top[-1]).sum()) == p.top_k:
+            probs = top.softmax(-1)
+            if p.top_p < 1.0:
+                kept = within(probs, p.top_p)
+                probs, ids = probs[kept], ids[kept]
+            return ids[draw(probs, generator)]
+        logits = logits.masked_fill(logits < top[-1], float("-inf"))
     probs = logits.softmax(-1)
     if p.top_p < 1.0:
-        kept, ids = nucleus(probs, p.top_p)
-        return ids[draw(kept, generator)]
+        probs, ids = nucleus(probs, p.top_p)
+        return ids[draw(probs, generator)]
     return draw(probs, generator)
+
+
+def within(falling: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Which of these probabilities (in falling order) top_p keeps: each while the mass before it is at most top_p."""
+    return falling.cumsum(-1) - falling <= top_p
 
 
 NUCLEUS_FIRST = (64, 1024)     # how many of the most likely tokens a CPU looks for top_p's cut among, in turn
 
 
 def nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens top_p keeps, (their probabilities, their ids) by falling probability: each while the mass before
-    it is at most top_p. Sorting a 262k vocabulary takes a CPU tens of milliseconds: there the most likely 64, then
-    1024 (topk, sorted) decide alone when they hold more than top_p, as they usually do. (A GPU sorts them all,
-    which costs it little and asks the host nothing.)"""
+    """The tokens top_p keeps, (their probabilities, their ids) in falling order. Sorting a 262k vocabulary takes a
+    CPU tens of milliseconds: there the most likely 64, then 1024 (topk, sorted) decide alone when they hold more
+    than top_p, as they usually do. (A GPU sorts them all, which costs it little and asks the host nothing.)"""
     for k in NUCLEUS_FIRST if probs.device.type == "cpu" else ():
         top, order = torch.topk(probs, min(k, probs.shape[-1]))
-        mass = top.cumsum(-1)
-        if mass[-1] > top_p:
+        if top.cumsum(-1)[-1] > top_p:
             break
     else:
         top, order = torch.sort(probs, descending=True)
-        mass = top.cumsum(-1)
-    kept = mass - top <= top_p
+    kept = within(top, top_p)
     return top[kept], order[kept]
 
 
