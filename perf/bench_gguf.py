@@ -82,9 +82,28 @@ def resident(file: Path, threads: int) -> str:
     import multiprocessing
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         load, request, kv = pool.apply(_resident, (str(file), threads))
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        tok = pool.apply(_tokenizer, (str(file),))
     size = file.stat().st_size / 2**20
     return (f"{file.name}: resident after load {load:.0f} MiB over imports = {(load - kv) / size:.2f}x the file "
-            f"({size:.0f} MiB) + the KV pool ({kv:.0f} MiB); after a first request {(request - kv) / size:.2f}x")
+            f"({size:.0f} MiB) + the KV pool ({kv:.0f} MiB); after a first request {(request - kv) / size:.2f}x; "
+            f"the tokenizer alone {tok:.0f} MiB (in a process of its own, with what it imports to convert), "
+            f"{(load - kv - tok) / size:.2f}x without it")
+
+
+def _tokenizer(file: str) -> float:
+    """A fresh process's resident memory after building the file's tokenizer, over the same imports."""
+    import torch  # noqa: F401
+
+    from engine import LLM  # noqa: F401
+    from engine.models.loader import trim
+    from engine.tokenizer import Tokenizer
+    rss = lambda: next(int(line.split()[1]) for line in open("/proc/self/status")  # noqa: E731
+                       if line.startswith("VmRSS")) / 1024
+    base = rss()
+    tok = Tokenizer(file)
+    trim()
+    return rss() - base if tok else 0.0
 
 
 def _resident(file: str, threads: int) -> tuple[float, float, float]:
