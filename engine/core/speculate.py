@@ -73,12 +73,13 @@ class Pace:
             j += 1
         return j
 
-    def observe(self, taken: bool) -> None:
-        """A shadow draft of one token: counted as a round, without the backoff of a verified one."""
-        self.hits, self.misses = DECAY * self.hits + taken, DECAY * self.misses + (not taken)
+    def count(self, drafted: int, accepted: int) -> None:
+        """A round of `drafted` tokens, the first `accepted` of them taken (a shadow draft: a round of one token,
+        without the backoff of a verified one)."""
+        self.hits, self.misses = DECAY * self.hits + accepted, DECAY * self.misses + (accepted < drafted)
 
     def record(self, drafted: int, accepted: int, bar: float) -> None:
-        self.hits, self.misses = DECAY * self.hits + accepted, DECAY * self.misses + (accepted < drafted)
+        self.count(drafted, accepted)
         if self.rate >= bar:
             self.backoff = 1
         else:                                    # not paying: skip the next 1, 2, 4 ... chances, then probe
@@ -265,7 +266,7 @@ class Speculator:
         for req in batch:
             if (shadow := self.shadows.get(req.id)) and shadow[0] < req.seq_len:
                 del self.shadows[req.id]
-                self.paces.setdefault(req.id, Pace()).observe(_token(req, shadow[0]) == shadow[1])
+                self.paces.setdefault(req.id, Pace()).count(1, int(_token(req, shadow[0]) == shadow[1]))
 
     def pays(self, width: int) -> bool:
         """Whether a row past a step of `width` rows fits in the pass and could pay, were its draft surely taken."""
