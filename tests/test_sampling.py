@@ -45,11 +45,13 @@ def test_top_k_and_top_p_restrict_support():
     assert p8 == {0, 1}
 
 
-def test_draws_follow_the_distribution_and_never_pick_a_zero():
-    probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0]) * 3            # unnormalised, zeros at both ends
+@pytest.mark.parametrize("block", [512, 2, 4])     # one scan; blocks of 2 (one all zeros, a tail) and 4
+def test_draws_follow_the_distribution_and_never_pick_a_zero(block, monkeypatch):
+    monkeypatch.setattr(sampler, "DRAW_BLOCK", block)
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0, 0.0, 0.0, 0.0]) * 3     # unnormalised, zeros at both ends
     gen = torch.Generator().manual_seed(0)
-    counts = torch.bincount(torch.stack([draw(probs, gen) for _ in range(6000)]), minlength=6).float()
-    assert counts[[0, 2, 5]].sum() == 0
+    counts = torch.bincount(torch.stack([draw(probs, gen) for _ in range(6000)]), minlength=9).float()
+    assert counts[[0, 2, 5, 6, 7, 8]].sum() == 0
     assert torch.allclose(counts / 6000, probs / probs.sum(), atol=0.025)
     a, b = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
     assert [int(draw(probs, a)) for _ in range(8)] == [int(draw(probs, b)) for _ in range(8)]
