@@ -129,7 +129,7 @@ class MLXRunner:
         self.keys[seq] = key
         logits = logits / p.temperature
         if 0 < p.top_k < logits.shape[-1]:
-            kth = mx.sort(logits)[-p.top_k]
+            kth = mx.partition(logits, -p.top_k)[-p.top_k]         # the k-th largest, without a sort
             logits = mx.where(logits < kth, -mx.inf, logits)
         if p.top_p < 1.0:
             order = mx.argsort(-logits)
