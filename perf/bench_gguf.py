@@ -92,7 +92,8 @@ def resident(file: Path, threads: int) -> str:
 
 
 def _tokenizer(file: str) -> float:
-    """A fresh process's resident memory after building the file's tokenizer, over the same imports."""
+    """A fresh process's resident memory after building the file's tokenizer, over the same imports (the file's
+    metadata pages it reads count here, and the model's process maps them too)."""
     import torch  # noqa: F401
 
     from engine import LLM  # noqa: F401
@@ -103,7 +104,9 @@ def _tokenizer(file: str) -> float:
     base = rss()
     tok = Tokenizer(file)
     trim()
-    return rss() - base if tok else 0.0
+    grown = rss() - base
+    del tok
+    return grown
 
 
 def _resident(file: str, threads: int) -> tuple[float, float, float]:

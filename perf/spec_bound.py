@@ -57,16 +57,20 @@ def tokens(engine: Engine, prompt: list[int], c: int, max_tokens: int) -> list[i
     return list(reqs[0].output_ids)
 
 
-def replay(prompt: list[int], out: list[int], ms: dict[int, float], c: int, k: int, policy: bool) -> float:
-    """Decode tok/s of the replay against c rows a one-row step each (see the module's docstring)."""
-    lookup, pace, cheap = Lookup(NgramConfig(k, 2, 5)), Pace(), 4
+def replay(prompt: list[int], out: list[int], ms: dict[int, float], c: int, k: int, policy: bool,
+           cheap: int = 4) -> float:
+    """Decode tok/s of the replay against c rows a one-row step each (see the module's docstring); `cheap`: the
+    runner's cheap rows, as the engine's draft lengths see them. A step drafts no further than the engine lets it:
+    the last token is never a draft."""
+    lookup, pace = Lookup(NgramConfig(k, 2, 5)), Pace()
     i, spent = 0, 0.0
     while i < len(out):
+        room = len(out) - i - 1
         if policy and pace.skip:
             pace.skip, draft = pace.skip - 1, []
         else:
-            draft = lookup.propose(prompt, out[:i], pace.length(k, c, cheap) if policy else k)
-        took = next((j for j, (a, b) in enumerate(zip(draft, out[i:])) if a != b), min(len(draft), len(out) - i))
+            draft = lookup.propose(prompt, out[:i], min(pace.length(k, c, cheap) if policy else k, room))
+        took = next((j for j, (a, b) in enumerate(zip(draft, out[i:])) if a != b), len(draft))
         if not policy:
             draft = draft[:took]
         spent += price(ms, c * (1 + len(draft)))
@@ -94,7 +98,7 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
         prompt = prompt_of(engine, text)
         for c in (1, 4):
             out = tokens(engine, prompt, c, args.max_tokens)
-            model_of = f"{replay(prompt, out, ms, c, args.k, True):.2f}" if c == 1 else ""
+            model_of = f"{replay(prompt, out, ms, c, args.k, True, engine.runner.cheap_rows):.2f}" if c == 1 else ""
             rows.append([name, c, len(out), model_of, f"{replay(prompt, out, ms, c, args.k, False):.2f}"])
     print(f"{model}: {args.threads} threads, {cpu_model()}; k={args.k}, prompt_lookup 2-5; a step's ms by rows: "
           + ", ".join(f"{r}: {t:.1f}" for r, t in ms.items()))

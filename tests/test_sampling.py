@@ -66,8 +66,9 @@ def test_the_nucleus_is_what_sorting_the_whole_vocabulary_keeps(spread, top_p, m
     drop = ordered.cumsum(-1) - ordered > top_p
     want = torch.ones(5000, dtype=torch.bool).index_fill_(0, order[drop], False)
     kept, ids = nucleus(probs, top_p)
-    assert torch.equal(torch.zeros(5000, dtype=torch.bool).index_fill_(0, ids, True), want)
-    assert torch.equal(kept, probs[ids]) and 1 <= len(ids) < 5000 and bool((kept[:-1] >= kept[1:]).all())
+    assert torch.equal(torch.zeros(5000, dtype=torch.bool).index_fill_(0, ids[kept > 0], True), want)
+    assert torch.equal(kept[kept > 0], probs[ids[kept > 0]]) and 1 <= int((kept > 0).sum()) < 5000
+    assert bool((probs[ids][:-1] >= probs[ids][1:]).all())
 
 
 def test_ban_masks_tokens():
@@ -103,3 +104,11 @@ def test_top_k_draws_from_the_renormalised_k_most_likely(top_p):
     assert torch.allclose(counts / 5000, want, atol=0.025)
     tied = torch.tensor([3.0, 1.0, 2.0, 2.0, -1.0])          # the 2nd most likely ties with the 3rd: both stay
     assert {int(sample_one(tied, SamplingParams(top_k=2), gen)) for _ in range(300)} == {0, 2, 3}
+
+
+def test_a_row_with_every_token_masked_is_an_error_not_a_token():
+    with pytest.raises(ValueError, match="^sampling: every token is masked"):
+        draw(torch.full((2000,), float("nan")), torch.Generator().manual_seed(0))
+    logits = torch.full((2000,), float("-inf"))
+    with pytest.raises(ValueError, match="^sampling: every token is masked"):
+        sample_one(logits, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))

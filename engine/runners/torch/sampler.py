@@ -48,15 +48,19 @@ def sample_one(logits: torch.Tensor, p: SamplingParams, generator: torch.Generat
         if logits.device.type == "cpu" and int((logits >= top[-1]).sum()) == p.top_k:
             probs = top.softmax(-1)
             if p.top_p < 1.0:
-                kept = within(probs, p.top_p)
-                probs, ids = probs[kept], ids[kept]
-            return ids[draw(probs, generator)]
+                probs = probs.masked_fill(~within(probs, p.top_p), 0)
+            return pick(ids, draw(probs, generator))
         logits = logits.masked_fill(logits < top[-1], float("-inf"))
     probs = logits.softmax(-1)
     if p.top_p < 1.0:
         probs, ids = nucleus(probs, p.top_p)
-        return ids[draw(probs, generator)]
+        return pick(ids, draw(probs, generator))
     return draw(probs, generator)
+
+
+def pick(ids: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """ids[i] for a 0-d i, without reading i on the host (indexing by a 0-d tensor would)."""
+    return ids.gather(0, i.view(1))[0]
 
 
 def within(falling: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -68,7 +72,7 @@ NUCLEUS_FIRST = (64, 1024)     # how many of the most likely tokens a CPU looks 
 
 
 def nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens top_p keeps, (their probabilities, their ids) in falling order. Sorting a 262k vocabulary takes a
+    """(probabilities, ids) in falling order, those top_p drops at probability 0. Sorting a 262k vocabulary takes a
     CPU tens of milliseconds: there the most likely 64, then 1024 (topk, sorted) decide alone when they hold more
     than top_p, as they usually do. (A GPU sorts them all, which costs it little and asks the host nothing.)"""
     for k in NUCLEUS_FIRST if probs.device.type == "cpu" else ():
@@ -77,8 +81,7 @@ def nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tens
             break
     else:
         top, order = torch.sort(probs, descending=True)
-    kept = within(top, top_p)
-    return top[kept], order[kept]
+    return top.masked_fill(~within(top, top_p), 0), order
 
 
 DRAW_BLOCK = 512     # a CPU's draw finds the block of this many tokens first, then the token in it
@@ -91,14 +94,16 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     cumsum over 262k tokens takes it over a millisecond); a GPU takes the cumsum whole, asking the host nothing."""
     u = torch.rand(1, dtype=torch.float64, generator=generator, device=probs.device)
     n, b = probs.shape[-1], DRAW_BLOCK
-    if probs.device.type != "cpu" or n <= b:
+    if probs.device.type != "cpu":
         cdf = probs.cumsum(-1, dtype=torch.float64)
-        return _first_past(cdf, u * cdf[-1:])
+        return _first_past(cdf, u * cdf[-1:]).clamp_(max=n - 1)      # (a row of NaNs: in range, not a crash)
     whole = n // b * b
-    sums = probs[:whole].view(-1, b).sum(-1, dtype=torch.float64)
+    sums = probs[:whole].reshape(-1, b).sum(-1, dtype=torch.float64)
     if whole < n:
         sums = torch.cat([sums, probs[whole:].sum(-1, dtype=torch.float64).view(1)])
     cdf = sums.cumsum(-1)
+    if not float(cdf[-1]) > 0:
+        raise ValueError("sampling: every token is masked (bad words, allowed_token_ids, logit_bias or the grammar)")
     target = u * cdf[-1:]
     j = int(_first_past(cdf, target))
     inner = probs[j * b:(j + 1) * b].cumsum(-1, dtype=torch.float64)
