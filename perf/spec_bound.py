@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from engine.core.engine import Engine
 from engine.core.ngram import Lookup, NgramConfig
 from engine.core.sampling import SamplingParams
-from engine.core.speculate import Pace, worth
+from engine.core.speculate import Costs, Pace
 from perf.bench_rows import step_ms
 from perf.bench_spec import SAMPLED, WORKLOADS, default_model, prompt_of, run
 from perf.common import cpu_model, table
@@ -58,9 +58,9 @@ def tokens(engine: Engine, prompt: list[int], c: int, max_tokens: int) -> list[i
 
 
 def replay(prompt: list[int], out: list[int], ms: dict[int, float], c: int, k: int, policy: bool,
-           cheap: int = 4) -> float:
-    """Decode tok/s of the replay against c rows a one-row step each (see the module's docstring); `cheap`: the
-    runner's cheap rows, as the engine's draft lengths see them. A step drafts no further than the engine lets it:
+           costs: Costs = Costs(4)) -> float:
+    """Decode tok/s of the replay against c rows a one-row step each (see the module's docstring); `costs`: the
+    runner's rows as the engine's draft lengths price them. A step drafts no further than the engine lets it:
     the last token is never a draft."""
     lookup, pace = Lookup(NgramConfig(k, 2, 5)), Pace()
     i, spent = 0, 0.0
@@ -69,13 +69,13 @@ def replay(prompt: list[int], out: list[int], ms: dict[int, float], c: int, k: i
         if policy and pace.skip:
             pace.skip, draft = pace.skip - 1, []
         else:
-            draft = lookup.propose(prompt, out[:i], min(pace.length(k, c, cheap) if policy else k, room))
+            draft = lookup.propose(prompt, out[:i], min(pace.length(k, c, costs) if policy else k, room))
         took = next((j for j, (a, b) in enumerate(zip(draft, out[i:])) if a != b), len(draft))
         if not policy:
             draft = draft[:took]
         spent += price(ms, c * (1 + len(draft)))
         if draft and policy:
-            pace.record(len(draft), took, worth(c + len(draft), cheap))
+            pace.record(len(draft), took, costs.worth(c + len(draft)))
         i += 1 + took
     return len(out) * price(ms, c) / spent
 
@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
     engine = Engine(EngineConfig(model=model, num_threads=args.threads, max_batch_size=max(ROWS)),
                     on_delta=lambda d: None)
     ms = costs(engine)
+    priced = Costs(engine.runner.cheap_rows, *(engine.runner.row_costs() or ()))
     rows = []
     for name, text in WORKLOADS.items():
         if name in SAMPLED:
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
         prompt = prompt_of(engine, text)
         for c in (1, 4):
             out = tokens(engine, prompt, c, args.max_tokens)
-            model_of = f"{replay(prompt, out, ms, c, args.k, True, engine.runner.cheap_rows):.2f}" if c == 1 else ""
+            model_of = f"{replay(prompt, out, ms, c, args.k, True, priced):.2f}" if c == 1 else ""
             rows.append([name, c, len(out), model_of, f"{replay(prompt, out, ms, c, args.k, False):.2f}"])
     print(f"{model}: {args.threads} threads, {cpu_model()}; k={args.k}, prompt_lookup 2-5; a step's ms by rows: "
           + ", ".join(f"{r}: {t:.1f}" for r, t in ms.items()))

@@ -8,7 +8,7 @@ import pytest
 from engine.core.ngram import Lookup, NgramConfig
 from engine.core.request import Request
 from engine.core.sampling import SamplingParams
-from engine.core.speculate import MAX_SKIP, ROW_COST, Pace, Speculator, worth
+from engine.core.speculate import MAX_SKIP, Costs, Pace, Speculator
 
 
 def brute(ids: list[int], low: int, high: int, k: int) -> list[int]:
@@ -71,12 +71,16 @@ def test_bad_config_names_the_key(value, why):
 
 def test_a_row_pays_at_a_bar_that_rises_with_the_step():
     """The row that makes a step w rows pays when its chance of being taken covers what it adds against what the
-    step yields without it: ROW_COST for a first draft at concurrency 1, more in a wider step, more again past the
-    runner's cheap rows; a float CPU's pass of 8 rows takes no draft past them."""
-    bars = [worth(w, 4) for w in range(2, 33)]
-    assert bars[0] == pytest.approx(ROW_COST) and bars == sorted(set(bars)) and bars[-1] < 1
-    assert worth(5, 4) - worth(4, 4) > worth(4, 4) - worth(3, 4)
-    full = Speculator(NgramConfig(4, 1, 1), rows=8, cheap=8)
+    step yields without it: a row's cost for a first draft at concurrency 1, more in a wider step, more again past
+    the runner's cheap rows; cheaper rows (as a runner may time them) lower every bar; a float CPU's pass of 8 rows
+    takes no draft past them."""
+    bars = [Costs(4).worth(w) for w in range(2, 33)]
+    assert bars[0] == pytest.approx(Costs(4).row) and bars == sorted(set(bars)) and bars[-1] < 1
+    assert Costs(4).worth(5) - Costs(4).worth(4) > Costs(4).worth(4) - Costs(4).worth(3)
+    timed = Costs(4, row=0.09, late=0.13)
+    assert all(timed.worth(w) < bar for w, bar in zip(range(2, 33), bars))
+    assert Pace(hits=8).length(8, 4, timed) > Pace(hits=8).length(8, 4, Costs(4))     # concurrency 4, drafts taken
+    full = Speculator(NgramConfig(4, 1, 1), rows=8, costs=Costs(8))
     assert full.pays(7) and not full.pays(8)
 
 
@@ -92,38 +96,38 @@ def test_drafts_are_as_long_as_they_pay():
     pays and at the rows a step takes; rounds below the bar make the sequence skip the next 1, 2, 4 ... chances
     (up to MAX_SKIP), then probe again. Past the runner's cheap rows a sequence probes no more: it drafts only what
     its rate says pays there."""
-    spec = Speculator(NgramConfig(4, 1, 1), rows=32, cheap=8)
+    spec = Speculator(NgramConfig(4, 1, 1), rows=32, costs=Costs(8))
     req = Request(1, [5, 6, 7, 8, 9, 10, 11], SamplingParams())
     req.output_ids = [5, 6]
     assert unguessed(spec.drafts(spec.ready([req]), 1, {1: 10})) == {1: [7]}
     lengths = []
     for _ in range(5):
-        spec.record(req, 4, 4, worth(2, 8))
-        lengths.append(spec.paces[1].length(4, 1, 8))
-    assert lengths == sorted(lengths) and lengths[-1] == 4 and lengths[-1] > Pace().length(4, 1, 8)
+        spec.record(req, 4, 4, Costs(8).worth(2))
+        lengths.append(spec.paces[1].length(4, 1, Costs(8)))
+    assert lengths == sorted(lengths) and lengths[-1] == 4 and lengths[-1] > Pace().length(4, 1, Costs(8))
     assert unguessed(spec.drafts(spec.ready([req]), 1, {1: 10})) == {1: [7, 8, 9, 10]}
     widths = [len(unguessed(spec.drafts([req], w, {1: 10})).get(1, [])) for w in (1, 4, 6, 7, 8)]
     assert widths == sorted(widths, reverse=True) and widths[0] == 4 and widths[-2] == 1 and widths[-1] == 0
-    probe = Speculator(NgramConfig(4, 1, 1), rows=32, cheap=8)
+    probe = Speculator(NgramConfig(4, 1, 1), rows=32, costs=Costs(8))
     assert unguessed(probe.drafts([req], 7, {1: 10})) == {1: [7]}     # a probe
-    late = Speculator(NgramConfig(4, 1, 1), rows=32, cheap=4)       # past the cheap rows: no probe, a sure draft
+    late = Speculator(NgramConfig(4, 1, 1), rows=32, costs=Costs(4))       # past the cheap rows: no probe, a sure draft
     assert late.drafts([req], 4, {1: 10}) == {} and unguessed(late.drafts([req], 3, {1: 10})) == {1: [7]}
     late.paces = spec.paces
     assert unguessed(late.drafts([req], 4, {1: 10}))[1][0] == 7
-    narrow = Speculator(NgramConfig(4, 1, 1), rows=3, cheap=8)
+    narrow = Speculator(NgramConfig(4, 1, 1), rows=3, costs=Costs(8))
     narrow.paces = spec.paces
     assert unguessed(narrow.drafts([req], 1, {1: 10})) == {1: [7, 8]}      # two rows to spare in a pass of 3
     assert unguessed(spec.drafts([req], 1, {1: 2})) == {1: [7, 8]}         # two tokens left before max_tokens
     skips = []
     for _ in range(40):
-        spec.record(req, 1, 0, worth(2, 8))
+        spec.record(req, 1, 0, Costs(8).worth(2))
         skipped = 0
         while not spec.ready([req]):
             skipped += 1
         skips.append(skipped)
     skips = [n for n in skips if n]         # rounds while the rate was still above the bar skip nothing
     assert skips[:6] == [1, 2, 4, 8, 16, MAX_SKIP] and set(skips[6:]) == {MAX_SKIP}
-    assert spec.paces[1].rate < worth(2, 8)
+    assert spec.paces[1].rate < Costs(8).worth(2)
 
 
 def test_past_the_cheap_rows_shadow_drafts_earn_a_record():
@@ -131,7 +135,7 @@ def test_past_the_cheap_rows_shadow_drafts_earn_a_record():
     row), and once decoding has sampled that position the proposal counts as a token taken or not. Taken ones raise
     its rate until a draft pays there; a refused one lowers it. None is a draft for the metrics or the backoff, none
     is proposed behind drafts in flight, and a verify step's record replaces a pending one."""
-    spec = Speculator(NgramConfig(4, 1, 1), rows=32, cheap=4)
+    spec = Speculator(NgramConfig(4, 1, 1), rows=32, costs=Costs(4))
     req = Request(1, [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], SamplingParams())
     req.output_ids = [5, 6]
     rounds = 0
@@ -142,12 +146,12 @@ def test_past_the_cheap_rows_shadow_drafts_earn_a_record():
         spec.compare([req])
         assert 1 not in spec.shadows and spec.paces[1].skip == 0
         rounds += 1
-    assert 1 < rounds < 12 and spec.paces[1].rate >= worth(5, 4) and found == {1: [req.output_ids[-1] + 1]}
+    assert 1 < rounds < 12 and spec.paces[1].rate >= Costs(4).worth(5) and found == {1: [req.output_ids[-1] + 1]}
     spec.shadows[1] = req.seq_len, 0
     assert spec.drafts([req], 4, {1: 10}) and 1 not in spec.shadows    # a verify step records it instead
-    behind = Speculator(NgramConfig(4, 1, 1), rows=32, cheap=4)        # behind drafts in flight: no shadow
+    behind = Speculator(NgramConfig(4, 1, 1), rows=32, costs=Costs(4))        # behind drafts in flight: no shadow
     assert behind.drafts([req], 4, {1: 10}, {1: [3]}) == {} and not behind.shadows
-    cold = Speculator(NgramConfig(4, 1, 1), rows=32, cheap=4)
+    cold = Speculator(NgramConfig(4, 1, 1), rows=32, costs=Costs(4))
     assert cold.drafts([req], 4, {1: 10}) == {}
     position, token = cold.shadows[1]
     req.output_ids.append(token + 100)                                          # sampled otherwise

@@ -12,7 +12,7 @@ import torch
 from engine import LLM
 from engine.config import EngineConfig
 from engine.core.ngram import Lookup
-from engine.core.speculate import Pace
+from engine.core.speculate import Costs, Pace
 from engine.kernels import cpu_build
 from engine.models.presets import cached_model
 from engine.models.quant import QEmbedding, QLinear
@@ -66,7 +66,7 @@ def test_a_batch_past_eight_rows_decodes_as_its_sequences_alone(tmp_path, spec, 
         truth = {tuple(p): a for p, a in zip(prompts, alone)}
         monkeypatch.setattr(Lookup, "propose", lambda lookup, prompt, out, k: truth[tuple(prompt)][len(out):][:k])
         monkeypatch.setattr(Pace, "rate", property(lambda pace: 1.0))
-        llm.engine.spec.cheap = 32
+        llm.engine.spec.costs = Costs(32)
     widths, forward = [], runner.forward
     monkeypatch.setattr(runner, "forward", lambda rows, prev: widths.append(len(rows)) or forward(rows, prev))
     assert [o.token_ids for o in llm.generate(prompts, greedy(16))] == alone

@@ -16,7 +16,7 @@ from engine.core.recorder import Recorder
 from engine.core.request import Request, Status
 from engine.core.sampling import SamplingParams
 from engine.core.scheduler import Scheduler
-from engine.core.speculate import Speculator
+from engine.core.speculate import Costs, Speculator
 from engine.kv.base import KVStorage
 from engine.kv.block_pool import BlockPool
 from engine.kv.dense import DenseKV
@@ -54,8 +54,8 @@ class Engine:
         self.admission = Admission(config.max_queue, config.max_queue_wait)
         self.lookahead = Lookahead(runner, config.use_lookahead)
         ngram = NgramConfig.parse(config.speculative_config)
-        self.spec = Speculator(ngram, runner.step_rows, runner.cheap_rows, runner.overlaps and config.use_lookahead) \
-            if ngram else None
+        self.spec = Speculator(ngram, runner.step_rows, Costs(runner.cheap_rows, *(runner.row_costs() or ())),
+                               runner.overlaps and config.use_lookahead) if ngram else None
         if ngram:
             self.metrics.spec_positions(ngram.k)
         self.on_delta = on_delta

@@ -7,9 +7,10 @@ probability p(x) and otherwise keeps the sample, drawn from p without x renormal
 drafts, and the output distribution of decoding without speculation (greedy: the same tokens).
 
 A draft token pays when the chance it is taken is at least what its row adds to the step against what the step
-yields without it (`worth`): a row adds ROW_COST of a one-row step while the step is within the runner's cheap
-rows (the weights are read once for every row), LATE_COST past them (the products bound the step), and a step
-yields about a token a row, so the bar rises with the step's width and a full batch does not pay for drafts.
+yields without it (`Costs.worth`): a row adds `row` of a one-row step while the step is within the runner's cheap
+rows (the weights are read once for every row), `late` past them (the products bound the step), both timed on the
+model at load where the runner can, and a step yields about a token a row, so the bar rises with the step's width
+and a full batch does not pay for drafts.
 Per sequence, a round whose acceptance falls below the bar makes it skip the next 1, 2, 4 ... 32 chances to draft,
 and a round above it resets that. Past the cheap rows it does not probe (a row there costs more than a probe could
 find): it proposes without verifying, and the token decoding then samples tells whether the proposal would have been
@@ -34,20 +35,26 @@ if TYPE_CHECKING:
     from engine.core.engine import Engine
 
 MAX_SKIP = 32
-ROW_COST = 0.15  # a decode row's cost in one-row steps, within the runner's step_rows (perf.bench_rows)
-LATE_COST = 0.25  # past them: 0.15 on an Intel Xeon with AMX, 0.24 on an AMD EPYC (int8 blocks, 2 threads)
 DECAY = 0.8      # per verify round, of the counts a sequence's acceptance rate is estimated from
 
 
-def cost(width: int, cheap: int) -> float:
-    """A step of `width` rows against a one-row step, on a runner whose steps take `cheap` rows at ROW_COST."""
-    return 1 + ROW_COST * (min(width, cheap) - 1) + LATE_COST * max(width - cheap, 0)
+@dataclass(slots=True, frozen=True)
+class Costs:
+    """What a decode row adds to a step, in one-row steps: `row` within the runner's `cheap` rows, `late` past them.
+    The defaults are an AMD EPYC's (int8 blocks, 2 threads; perf.bench_rows), for runners that do not time their
+    rows (TorchRunner.row_costs: an Intel Xeon with AMX measured 0.09 and 0.13)."""
+    cheap: int
+    row: float = 0.15
+    late: float = 0.25
 
+    def cost(self, width: int) -> float:
+        """A step of `width` rows against a one-row step."""
+        return 1 + self.row * (min(width, self.cheap) - 1) + self.late * max(width - self.cheap, 0)
 
-def worth(width: int, cheap: int) -> float:
-    """The chance of being taken at which the row that makes a step `width` rows pays: what it adds to the step
-    against the step without it, which yields about a token a row."""
-    return (width - 1) * (cost(width, cheap) / cost(width - 1, cheap) - 1)
+    def worth(self, width: int) -> float:
+        """The chance of being taken at which the row that makes a step `width` rows pays: what it adds to the step
+        against the step without it, which yields about a token a row."""
+        return (width - 1) * (self.cost(width) / self.cost(width - 1) - 1)
 
 
 @dataclass(slots=True)
@@ -64,12 +71,12 @@ class Pace:
         """The chance a draft token is taken, given the one before it was (Laplace's estimate)."""
         return (self.hits + 1) / (self.hits + self.misses + 2)
 
-    def length(self, k: int, width: int, cheap: int, guessing: bool = False) -> int:
+    def length(self, k: int, width: int, costs: Costs, guessing: bool = False) -> int:
         """Draft tokens worth verifying in a step of `width` rows so far: the j-th pays while rate^j, the chance it
         is reached and taken, is at least the bar of the step it widens (rate^(j+1) when the drafts follow a guess,
         taken as a draft would be); at least one, as a probe."""
         j, rate, g = 1, self.rate, int(guessing)
-        while j < k and rate ** (j + 1 + g) >= worth(width + j + 1, cheap):
+        while j < k and rate ** (j + 1 + g) >= costs.worth(width + j + 1):
             j += 1
         return j
 
@@ -87,11 +94,11 @@ class Pace:
 
 
 class Speculator:
-    def __init__(self, config: NgramConfig, rows: int, cheap: int, chain: bool = False) -> None:
-        """`rows`: the most rows a step of the runner takes in one pass; `cheap`: how many it takes at little more
-        than one row's cost; `chain`: launch verify steps from the step in flight (a runner whose steps run while
-        the host works, with lookahead on)."""
-        self.config, self.rows, self.cheap, self.chain = config, rows, cheap, chain
+    def __init__(self, config: NgramConfig, rows: int, costs: Costs, chain: bool = False) -> None:
+        """`rows`: the most rows a step of the runner takes in one pass; `costs`: what its rows cost; `chain`:
+        launch verify steps from the step in flight (a runner whose steps run while the host works, with lookahead
+        on)."""
+        self.config, self.rows, self.costs, self.chain = config, rows, costs, chain
         self.lookups: dict[int, Lookup] = {}
         self.paces: dict[int, Pace] = {}
         self.shadows: dict[int, tuple[int, int]] = {}      # request id: (position, the token proposed there)
@@ -135,7 +142,7 @@ class Speculator:
             guess, draft = drafts.get(req.id, (-1, []))
             spans.append(Span(req, len(rows), req.num_allocated, draft, guess))
             rows += self._rows(eng, req, draft, where.get(req.id, -1))
-        bar = worth(len(rows), self.cheap)
+        bar = self.costs.worth(len(rows))
         for span in spans:
             span.bar = bar
         results = eng.lookahead.launch(rows, spans)
@@ -235,11 +242,11 @@ class Speculator:
             if not self.pays(width):
                 break
             guessing = req.id in ahead
-            k = min(pace.length(self.config.k, width, self.cheap, guessing) if pace else 1, self.rows - width,
+            k = min(pace.length(self.config.k, width, self.costs, guessing) if pace else 1, self.rows - width,
                     room.get(req.id, 0))
             if k <= 0:
                 continue
-            if width >= self.cheap and (pace.rate if pace else 0.5) < worth(width + 1, self.cheap):
+            if width >= self.costs.cheap and (pace.rate if pace else 0.5) < self.costs.worth(width + 1):
                 self.shadow(req, ahead.get(req.id))   # a probe here costs more than the estimate says it could find
                 continue
             guess, draft = self._propose(req, k, ahead.get(req.id))
@@ -270,7 +277,7 @@ class Speculator:
 
     def pays(self, width: int) -> bool:
         """Whether a row past a step of `width` rows fits in the pass and could pay, were its draft surely taken."""
-        return width < self.rows and worth(width + 1, self.cheap) < 1
+        return width < self.rows and self.costs.worth(width + 1) < 1
 
     def record(self, req: Request, drafted: int, accepted: int, bar: float) -> None:
         self.paces.setdefault(req.id, Pace()).record(drafted, accepted, bar)

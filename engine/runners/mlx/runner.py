@@ -92,6 +92,9 @@ class MLXRunner:
                 for page in cache:
                     page[dst * bs:(dst + 1) * bs] = page[src * bs:(src + 1) * bs]
 
+    def row_costs(self) -> None:
+        return None
+
     def check(self, params: SamplingParams) -> None:
         for name, off in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1),
                           ("min_p", 0), ("logit_bias", None)):

@@ -15,7 +15,7 @@ from engine.kv.layout import Layout
 from engine.models.loader import load_model
 from engine.runners.base import Geometry, Row, Sampled, flatten, in_order, logprob_rows
 from engine.runners.torch import attention as torch_attention
-from engine.runners.torch import grammar, logprobs
+from engine.runners.torch import calibrate, grammar, logprobs
 from engine.runners.torch.graphs import GraphDecode, plain
 from engine.runners.torch.host import upload
 from engine.runners.torch.logprobs import DeviceLogprobs
@@ -142,6 +142,17 @@ class TorchRunner:
     def copy_block(self, src: int, dst: int) -> None:
         self.k_cache[:, dst] = self.k_cache[:, src]
         self.v_cache[:, dst] = self.v_cache[:, src]
+
+    def row_costs(self) -> tuple[float, float] | None:
+        """Timed on the model's one-call CPU layers (calibrate.py); None elsewhere: on a device, steps queue behind
+        the host and the speculator's defaults stand."""
+        if self.model.stack is None:
+            return None
+        row, late = calibrate.row_costs(self.model, self.layers, self.kv_shape, self.dtype, self.scale,
+                                        self.cheap_rows, self.step_rows)
+        log.info("speculation: a decode row costs %.2f of a one-row step within %d rows, %.2f past them (timed)",
+                 row, self.cheap_rows, late)
+        return row, late
 
     def check(self, params: SamplingParams) -> None:
         pass                              # the torch runner honours every field SamplingParams has
