@@ -80,6 +80,8 @@ def test_a_row_pays_at_a_bar_that_rises_with_the_step():
     timed = Costs(4, row=0.09, late=0.13)
     assert all(timed.worth(w) < bar for w, bar in zip(range(2, 33), bars))
     assert Pace(hits=8).length(8, 4, timed) > Pace(hits=8).length(8, 4, Costs(4))     # concurrency 4, drafts taken
+    drawn = Costs(4, row=0.09, late=0.13, sampled=0.08)       # a row drawn at a temperature costs its draw too
+    assert all(drawn.worth(w, True) > drawn.worth(w) == timed.worth(w) for w in range(2, 33))
     full = Speculator(NgramConfig(4, 1, 1), rows=8, costs=Costs(8))
     assert full.pays(7) and not full.pays(8)
 
@@ -128,6 +130,21 @@ def test_drafts_are_as_long_as_they_pay():
     skips = [n for n in skips if n]         # rounds while the rate was still above the bar skip nothing
     assert skips[:6] == [1, 2, 4, 8, 16, MAX_SKIP] and set(skips[6:]) == {MAX_SKIP}
     assert spec.paces[1].rate < Costs(8).worth(2)
+
+
+def test_a_row_drawn_at_a_temperature_pays_for_its_draw():
+    """Past the cheap rows, an acceptance rate that pays for a greedy request's draft does not pay for a request
+    drawn at a temperature, whose row adds its draw to the step: that one proposes without a row (a shadow)."""
+    costs = Costs(4, row=0.09, late=0.13, sampled=0.08)
+    rate = (costs.worth(5) + costs.worth(5, True)) / 2
+    for params, drafts in ((SamplingParams(temperature=0), True), (SamplingParams(temperature=0.8), False)):
+        spec = Speculator(NgramConfig(4, 1, 1), rows=32, costs=costs)
+        req = Request(1, [5, 6, 7, 8, 9, 10, 11], params)
+        req.output_ids = [5, 6]
+        spec.paces[1] = Pace(hits=(3 * rate - 1) / (1 - rate), misses=1)
+        assert spec.paces[1].rate == pytest.approx(rate)
+        found = spec.drafts([req], 4, {1: 10})
+        assert (found == {1: (-1, [7])}) == drafts and (1 in spec.shadows) != drafts
 
 
 def test_past_the_cheap_rows_shadow_drafts_earn_a_record():

@@ -40,21 +40,24 @@ DECAY = 0.8      # per verify round, of the counts a sequence's acceptance rate 
 
 @dataclass(slots=True, frozen=True)
 class Costs:
-    """What a decode row adds to a step, in one-row steps: `row` within the runner's `cheap` rows, `late` past them.
-    The defaults are an AMD EPYC's (int8 blocks, 2 threads; perf.bench_rows), for runners that do not time their
-    rows (TorchRunner.row_costs: an Intel Xeon with AMX measured 0.09 and 0.13)."""
+    """What a decode row adds to a step, in one-row steps: `row` within the runner's `cheap` rows, `late` past them,
+    and `sampled` more for a row drawn at a temperature (its softmax and draw over the vocabulary). The defaults
+    are an AMD EPYC's (int8 blocks, 2 threads; perf.bench_rows), for runners that do not time their rows
+    (TorchRunner.row_costs: an Intel Xeon with AMX measured 0.09, 0.13 and 0.08 on Gemma 3 270M)."""
     cheap: int
     row: float = 0.15
     late: float = 0.25
+    sampled: float = 0.0
 
     def cost(self, width: int) -> float:
         """A step of `width` rows against a one-row step."""
         return 1 + self.row * (min(width, self.cheap) - 1) + self.late * max(width - self.cheap, 0)
 
-    def worth(self, width: int) -> float:
-        """The chance of being taken at which the row that makes a step `width` rows pays: what it adds to the step
-        against the step without it, which yields about a token a row."""
-        return (width - 1) * (self.cost(width) / self.cost(width - 1) - 1)
+    def worth(self, width: int, sampled: bool = False) -> float:
+        """The chance of being taken at which the row that makes a step `width` rows pays (`sampled`: a row drawn at
+        a temperature): what it adds to the step against the step without it, which yields about a token a row."""
+        added = self.cost(width) - self.cost(width - 1) + (self.sampled if sampled else 0.0)
+        return (width - 1) * added / self.cost(width - 1)
 
 
 @dataclass(slots=True)
@@ -71,12 +74,12 @@ class Pace:
         """The chance a draft token is taken, given the one before it was (Laplace's estimate)."""
         return (self.hits + 1) / (self.hits + self.misses + 2)
 
-    def length(self, k: int, width: int, costs: Costs, guessing: bool = False) -> int:
+    def length(self, k: int, width: int, costs: Costs, guessing: bool = False, sampled: bool = False) -> int:
         """Draft tokens worth verifying in a step of `width` rows so far: the j-th pays while rate^j, the chance it
         is reached and taken, is at least the bar of the step it widens (rate^(j+1) when the drafts follow a guess,
         taken as a draft would be); at least one, as a probe."""
         j, rate, g = 1, self.rate, int(guessing)
-        while j < k and rate ** (j + 1 + g) >= costs.worth(width + j + 1):
+        while j < k and rate ** (j + 1 + g) >= costs.worth(width + j + 1, sampled):
             j += 1
         return j
 
@@ -142,9 +145,8 @@ class Speculator:
             guess, draft = drafts.get(req.id, (-1, []))
             spans.append(Span(req, len(rows), req.num_allocated, draft, guess))
             rows += self._rows(eng, req, draft, where.get(req.id, -1))
-        bar = self.costs.worth(len(rows))
         for span in spans:
-            span.bar = bar
+            span.bar = self.costs.worth(len(rows), not span.req.params.greedy)
         results = eng.lookahead.launch(rows, spans)
         eng.recorder.decode_tick(batch, time.thread_time() - started, eng.lookahead.pipelined - before)
         eng._take(results)
@@ -242,11 +244,12 @@ class Speculator:
             if not self.pays(width):
                 break
             guessing = req.id in ahead
-            k = min(pace.length(self.config.k, width, self.costs, guessing) if pace else 1, self.rows - width,
+            sampled = not req.params.greedy
+            k = min(pace.length(self.config.k, width, self.costs, guessing, sampled) if pace else 1, self.rows - width,
                     room.get(req.id, 0))
             if k <= 0:
                 continue
-            if width >= self.costs.cheap and (pace.rate if pace else 0.5) < self.costs.worth(width + 1):
+            if width >= self.costs.cheap and (pace.rate if pace else 0.5) < self.costs.worth(width + 1, sampled):
                 self.shadow(req, ahead.get(req.id))   # a probe here costs more than the estimate says it could find
                 continue
             guess, draft = self._propose(req, k, ahead.get(req.id))

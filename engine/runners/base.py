@@ -114,9 +114,9 @@ class ModelRunner(Protocol):
         read back while the model pass ran."""
     def fetch(self, handle: Any) -> Sampled:
         """Read a step's sampled tokens and the logprobs its rows asked for."""
-    def row_costs(self) -> tuple[float, float] | None:
-        """What a decode row adds to a one-row step, within the cheap rows and past them, timed on this machine;
-        None: not timed (speculation then prices rows by its defaults)."""
+    def row_costs(self) -> tuple[float, float, float] | None:
+        """What a decode row adds to a one-row step, within the cheap rows and past them, and what its draw adds at
+        a temperature, timed on this machine; None: not timed (speculation then prices rows by its defaults)."""
     def release(self, seq: int) -> None: ...
     def check(self, params: SamplingParams) -> None:
         """Raise ValueError naming the field when this runner cannot honour one of `params`."""

@@ -3,7 +3,9 @@ Costs). CPUs differ here more than any constant covers: on Gemma 3 270M's int8 b
 the 4 cheap ones adds 0.13 of a one-row step on an Intel Xeon with AMX and 0.24 on an AMD EPYC (perf.bench_rows).
 
 Decode steps of 1, `cheap` and 2 x `cheap` rows (at most the pass's rows) run through the model's one-call CPU
-layers and its logits, over scratch dense KV, interleaved, and each width's median time gives the costs."""
+layers, its logits and greedy sampling, over scratch dense KV, interleaved, and each width's median time gives the
+costs; a row drawn at temperature 1 instead adds what its draw takes (a 262k-token vocabulary's softmax and draw
+cost a sampled row about 0.08 of a one-row step on that Xeon)."""
 from __future__ import annotations
 
 import statistics
@@ -11,7 +13,9 @@ import time
 
 import torch
 
+from engine.core.sampling import SamplingParams
 from engine.kernels.cpu_layers import Dense
+from engine.runners.torch.sampler import argmax, sample_one
 
 ROUNDS = 4          # the first is a warm-up
 CONTEXT = 64        # positions of scratch KV behind each row
@@ -25,34 +29,42 @@ class Scratch:
         self.dense = dense
 
 
-def step_seconds(model, buffers: list[torch.Tensor], rows: int, scale: float) -> float:
-    """One decode step of `rows` rows (one token each, at the end of CONTEXT positions): layers, then logits."""
+def step_seconds(model, buffers: list[torch.Tensor], rows: int, scale: float) -> tuple[float, float]:
+    """One decode step of `rows` rows (one token each, at the end of CONTEXT positions): the seconds its layers,
+    logits and argmax took, and then the seconds one row's draw at temperature 1 takes."""
     ids = torch.zeros(rows, dtype=torch.long)
     positions = torch.full((rows,), CONTEXT - 1, dtype=torch.long)
     attn = Scratch(Dense(buffers[:rows], positions + 1, scale))
     start = time.perf_counter()
-    model.logits(model(ids, positions, attn))
-    return time.perf_counter() - start
+    logits = model.logits(model(ids, positions, attn))
+    argmax(logits)
+    mid = time.perf_counter()
+    sample_one(logits[0], SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    return mid - start, time.perf_counter() - mid
 
 
 @torch.inference_mode()
 def row_costs(model, layers: int, kv_shape: tuple[int, ...], dtype: torch.dtype, scale: float, cheap: int,
-              most: int) -> tuple[float, float]:
-    """(row, late): what a row adds to a one-row step within the first `cheap` rows and past them (`most`: the rows
-    a step takes in one pass; where it is `cheap`, no row comes past them and `late` is `row`)."""
+              most: int) -> tuple[float, float, float]:
+    """(row, late, sampled): what a row adds to a one-row step within the first `cheap` rows and past them (`most`:
+    the rows a step takes in one pass; where it is `cheap`, no row comes past them and `late` is `row`), and what a
+    row drawn at a temperature adds to that."""
     wide = min(2 * cheap, most)
     widths = sorted({1, cheap, wide})
     buffers = [torch.zeros((layers, 2, CONTEXT, *kv_shape), dtype=dtype) for _ in range(wide)]
     times: dict[int, list[float]] = {w: [] for w in widths}
+    draws = []
     for _ in range(ROUNDS):
         for w in widths:
-            times[w].append(step_seconds(model, buffers, w, scale))
+            step, draw = step_seconds(model, buffers, w, scale)
+            times[w].append(step)
+            draws.append(draw)
     one, at_cheap, at_wide = (statistics.median(times[w][1:]) for w in (1, cheap, wide))
     row = (at_cheap - one) / one / max(cheap - 1, 1)
     late = (at_wide - at_cheap) / one / (wide - cheap) if wide > cheap else row
-    return _bounded(row), _bounded(late)
+    return _bounded(row), _bounded(late), _bounded(statistics.median(draws[len(widths):]) / one, 0.0)
 
 
-def _bounded(cost: float) -> float:
+def _bounded(cost: float, low: float = 0.02) -> float:
     """A noisy timing (another process on the cores) must not make rows free or prohibitive."""
-    return min(max(cost, 0.02), 1.0)
+    return min(max(cost, low), 1.0)

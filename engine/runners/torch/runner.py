@@ -143,16 +143,16 @@ class TorchRunner:
         self.k_cache[:, dst] = self.k_cache[:, src]
         self.v_cache[:, dst] = self.v_cache[:, src]
 
-    def row_costs(self) -> tuple[float, float] | None:
+    def row_costs(self) -> tuple[float, float, float] | None:
         """Timed on the model's one-call CPU layers (calibrate.py); None elsewhere: on a device, steps queue behind
         the host and the speculator's defaults stand."""
         if self.model.stack is None:
             return None
-        row, late = calibrate.row_costs(self.model, self.layers, self.kv_shape, self.dtype, self.scale,
-                                        self.cheap_rows, self.step_rows)
-        log.info("speculation: a decode row costs %.2f of a one-row step within %d rows, %.2f past them (timed)",
-                 row, self.cheap_rows, late)
-        return row, late
+        row, late, sampled = calibrate.row_costs(self.model, self.layers, self.kv_shape, self.dtype, self.scale,
+                                                 self.cheap_rows, self.step_rows)
+        log.info("speculation: a decode row costs %.2f of a one-row step within %d rows, %.2f past them, %.2f more "
+                 "drawn at a temperature (timed)", row, self.cheap_rows, late, sampled)
+        return row, late, sampled
 
     def check(self, params: SamplingParams) -> None:
         pass                              # the torch runner honours every field SamplingParams has
