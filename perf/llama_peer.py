@@ -27,6 +27,10 @@ VERSION = "0.3.36"
 CONVERTER = ["torch==2.13.0", "transformers==5.24.0", "sentencepiece", "safetensors", "pyyaml", "numpy"]
 OUTTYPES = {"float32": "f32", "bfloat16": "bf16"}      # Pagoda's dtype -> the converter's --outtype
 WORKER = Path(__file__).with_name("llama_peer_worker.py")
+# llama.cpp's AMX kernels (built where -march=native has AMX) stop on an illegal instruction at their first batched
+# matmul on the Intel Xeon VMs of this machine kind (tileloadd in its quantized GEMM, 2026-12-05), though AMX itself
+# runs there (torch's oneDNN uses it): the build leaves them out and keeps every other native extension
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
 
 def home() -> Path:
@@ -45,7 +49,7 @@ def _run(cmd: list, **kw) -> None:
 
 def build() -> tuple[Path | None, str]:
     """(the llama.cpp tree with the converter, "") once built and cached; (None, why) when it cannot be built."""
-    done, src = home() / ".built", home() / "src"
+    done, src = home() / ".built-no-amx", home() / "src"
     tree = src / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
     if done.exists():
         return tree, ""
@@ -55,7 +59,8 @@ def build() -> tuple[Path | None, str]:
         _run([python(), "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
               f"llama-cpp-python=={VERSION}", "-d", src])
         sdist = src / f"llama_cpp_python-{VERSION}.tar.gz"
-        env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)}
+        env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1),
+               "CMAKE_ARGS": f"-DCMAKE_C_FLAGS='{NO_AMX}' -DCMAKE_CXX_FLAGS='{NO_AMX}'"}
         _run([python(), "-m", "pip", "install", "-q", "--no-cache-dir", sdist], env=env)
         _run([python(), "-m", "pip", "install", "-q", *CONVERTER])
         prefix = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
