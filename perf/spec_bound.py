@@ -3,7 +3,8 @@ decodes (spec off, after a warm-up, as bench_spec's pairs run), replayed against
 this CPU measures (bench_rows' step at 1-32 rows, interpolated). Per workload and concurrency (c identical
 requests, as bench_spec sends them):
 
-- policy: the engine's draft lengths (Pace, one sequence alone; concurrency 1), a model of what bench_spec measures;
+- policy: the engine's draft lengths (Speculator.drafts' rule over c sequences), a model of what bench_spec
+  measures;
 - bound: each step drafting exactly the proposal's tokens that will be taken, no more (no draft policy does
   better with this proposer and these step costs).
 
@@ -58,25 +59,37 @@ def tokens(engine: Engine, prompt: list[int], c: int, max_tokens: int) -> list[i
 
 
 def replay(prompt: list[int], out: list[int], ms: dict[int, float], c: int, k: int, policy: bool,
-           costs: Costs = Costs(4)) -> float:
+           costs: Costs = Costs(4), most: int = 32) -> float:
     """Decode tok/s of the replay against c rows a one-row step each (see the module's docstring); `costs`: the
-    runner's rows as the engine's draft lengths price them. A step drafts no further than the engine lets it:
-    the last token is never a draft."""
-    lookup, pace = Lookup(NgramConfig(k, 2, 5)), Pace()
-    i, spent = 0, 0.0
-    while i < len(out):
-        room = len(out) - i - 1
-        if policy and pace.skip:
-            pace.skip, draft = pace.skip - 1, []
-        else:
-            draft = lookup.propose(prompt, out[:i], min(pace.length(k, c, costs) if policy else k, room))
-        took = next((j for j, (a, b) in enumerate(zip(draft, out[i:])) if a != b), len(draft))
-        if not policy:
-            draft = draft[:took]
-        spent += price(ms, c * (1 + len(draft)))
-        if draft and policy:
-            pace.record(len(draft), took, costs.worth(c + len(draft)))
-        i += 1 + took
+    runner's rows as the engine's draft lengths price them, `most`: the rows a step takes. The policy is the
+    engine's (Speculator.drafts: skips, shadow drafts past the cheap rows, each sequence in turn its Pace.length). A
+    step drafts no further than the engine lets it: the last token is never a draft."""
+    lookups, paces, at = [Lookup(NgramConfig(k, 2, 5)) for _ in range(c)], [Pace() for _ in range(c)], [0] * c
+    spent = 0.0
+    while live := [s for s in range(c) if at[s] < len(out)]:
+        width, found = len(live), {}
+        for s in live:
+            pace, room = paces[s], len(out) - at[s] - 1
+            if policy and pace.skip:
+                pace.skip -= 1
+                continue
+            n = min(pace.length(k, width, costs) if policy else k, room, most - width)
+            draft = lookups[s].propose(prompt, out[:at[s]], n) if n > 0 else []
+            if not policy:
+                found[s] = draft[:next((j for j, (a, b) in enumerate(zip(draft, out[at[s]:])) if a != b), len(draft))]
+            elif draft and width >= costs.cheap and pace.rate < costs.worth(width + 1):
+                pace.count(1, int(draft[:1] == out[at[s]:at[s] + 1]))       # a shadow draft
+            elif draft:
+                found[s] = draft
+                width += len(draft)
+        rows = sum(1 + len(found.get(s, ())) for s in live)
+        spent += price(ms, rows)
+        for s in live:
+            draft = found.get(s, [])
+            took = next((j for j, (a, b) in enumerate(zip(draft, out[at[s]:])) if a != b), len(draft))
+            if draft and policy:
+                paces[s].record(len(draft), took, costs.worth(rows))
+            at[s] += 1 + took
     return len(out) * price(ms, c) / spent
 
 
@@ -99,8 +112,8 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
         prompt = prompt_of(engine, text)
         for c in (1, 4):
             out = tokens(engine, prompt, c, args.max_tokens)
-            model_of = f"{replay(prompt, out, ms, c, args.k, True, priced):.2f}" if c == 1 else ""
-            rows.append([name, c, len(out), model_of, f"{replay(prompt, out, ms, c, args.k, False):.2f}"])
+            rows.append([name, c, len(out), f"{replay(prompt, out, ms, c, args.k, True, priced, max(ROWS)):.2f}",
+                         f"{replay(prompt, out, ms, c, args.k, False, most=max(ROWS)):.2f}"])
     print(f"{model}: {args.threads} threads, {cpu_model()}; k={args.k}, prompt_lookup 2-5; a step's ms by rows: "
           + ", ".join(f"{r}: {t:.1f}" for r, t in ms.items()))
     print(table(["workload", "conc", "tokens", "policy (x spec off)", "bound (x spec off)"], rows))

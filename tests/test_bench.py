@@ -219,6 +219,8 @@ def test_spec_bound_replays_the_proposals_against_the_step_costs():
     assert replay(prompt, out, flat, 1, 8, False) == 8 / 3          # after (10, 11): 5 drafts, the last one sampled
     assert replay(prompt, out, flat, 4, 4, False) == 8 / 4         # c rows a step, against c rows
     assert 1.0 <= replay(prompt, out, flat, 1, 4, True) <= 2.0      # the engine's lengths: no better than the bound
+    assert 1.0 <= replay(prompt, out, flat, 4, 4, True) <= 2.0      # four sequences, each in turn
+    assert replay(prompt, out, rows, 4, 4, True) <= 1.0 and replay(prompt, out, flat, 4, 4, True, most=4) == 1.0
 
 
 def test_spec_bound_prints_policy_and_bound_per_workload(tiny_dir, capsys):
