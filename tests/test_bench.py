@@ -228,5 +228,5 @@ def test_spec_bound_prints_policy_and_bound_per_workload(tiny_dir, capsys):
     rows = spec_bound.main(["--model", tiny_dir, "--max-tokens", "8", "--k", "2"])
     assert [(r[0], r[1]) for r in rows] == [(w, c) for w in bench_spec.WORKLOADS if w not in bench_spec.SAMPLED
                                             for c in (1, 4)]
-    assert all(float(r[4]) > 0 for r in rows) and all((r[3] != "") == (r[1] == 1) for r in rows)
+    assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows)   # the policy at every concurrency, and its bound
     assert "a step's ms by rows: 1: " in capsys.readouterr().out
