@@ -17,7 +17,7 @@ def rows(files: tuple[tuple[str, str], ...], threads: int, tokens: int, repeats:
     llama.cpp's converter and quantizer, and the registry's real Gemma 3 270M Q4_K_M where it can be had: decode and
     512-token prefill, each engine's greedy agreement with transformers, and Pagoda's resident memory. A goal is
     met when every pair meets it."""
-    from perf.bench_peers import paired_row
+    from perf.bench_peers import labelled, paired_row
     tree, why = llama_peer.build()
     if tree is None:
         print(f"GGUF rows left out: {why}")
@@ -37,7 +37,7 @@ def rows(files: tuple[tuple[str, str], ...], threads: int, tokens: int, repeats:
                  paired_row("GGUF vs llama.cpp", f"{name} 512-token prefill", prefill, "gguf prefill", True)]
         agreement(Path(file), threads)
         print(resident(Path(file), threads))
-    return rows
+    return labelled(rows)
 
 
 def agreement(file: Path, threads: int, prompts: int = 6, tokens: int = 32) -> dict[str, list[int]]:

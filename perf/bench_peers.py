@@ -134,7 +134,6 @@ def llama_cpp_rows(preset: str, threads: int, tokens: int, repeats: int) -> list
     if tree is None:
         print(f"llama.cpp rows left out: {why}")
         return []
-    isa = f"{cpu_build.described()} / {llama_peer.instruction_sets()}"
     rows = []
     for dtype, short in (("float32", "fp32"), ("bfloat16", "bf16")):
         decode, prefill = llama_peer.compare(tree, cached_model(preset), dtype, threads, tokens, repeats)
@@ -143,6 +142,12 @@ def llama_cpp_rows(preset: str, threads: int, tokens: int, repeats: int) -> list
         rows += [paired_row("vs llama.cpp", f"{preset} {short} decode, paged KV", decode, f"llama.cpp {short}"),
                  paired_row("vs llama.cpp", f"{preset} {short} decode, dense KV", dense, f"llama.cpp {short}"),
                  paired_row("vs llama.cpp", f"{preset} {short} 512-token prefill", prefill, "llama.cpp prefill")]
+    return labelled(rows)
+
+
+def labelled(rows: list[dict]) -> list[dict]:
+    """llama.cpp's rows with the CPU and the instruction sets each engine's kernels were built with here."""
+    isa = f"{cpu_build.described()} / {llama_peer.instruction_sets()}"
     return [{**r, "cpu": cpu_model(), "isa": isa} for r in rows]
 
 

@@ -35,3 +35,25 @@ def test_agreement_counts_the_tokens_each_engine_shares_with_transformers(tmp_pa
     assert max(got["llama.cpp"]) <= 5
     out = capsys.readouterr().out
     assert "tiny-q8.gguf: greedy tokens equal to transformers'" in out and "int16 " in out
+
+
+def test_rows_name_each_file_and_the_cpu_and_instruction_sets_beside_it(tmp_path, monkeypatch):
+    import scripts.gemma3_270m as gemma
+    from perf.common import Pair, cpu_model
+    file = tmp_path / "f.gguf"
+    file.write_bytes(b"\0" * 2**20)
+
+    def no_gemma():
+        raise gemma.Unavailable("not here")
+    monkeypatch.setattr(gemma, "hf_dir", no_gemma)
+    monkeypatch.setattr(llama_peer, "build", lambda: (tmp_path, ""))
+    monkeypatch.setattr(llama_peer, "quantized", lambda tree, model, kind, threads: file)
+    monkeypatch.setattr(llama_peer, "instruction_sets", lambda: "avx2+avx512")
+    monkeypatch.setattr(llama_peer, "compare", lambda *a, **k: (Pair(60.0, 50.0, 1.2, 1.05, 1.3),
+                                                                 Pair(500.0, 400.0, 1.25, 0.9, 1.3)))
+    monkeypatch.setattr(bench_gguf, "agreement", lambda file, threads: {})
+    monkeypatch.setattr(bench_gguf, "resident", lambda file, threads: "")
+    rows = bench_gguf.rows((("tiny-qwen", "q8_0"),), 2, 16, 2)
+    assert [(r["what"], r["met"]) for r in rows] == [("tiny-qwen q8_0 (1 MiB) decode", False),     # 1.05 < 1.1
+                                                      ("tiny-qwen q8_0 512-token prefill", False)]  # 0.9 < 1.0
+    assert {(r["cpu"], r["isa"]) for r in rows} == {(cpu_model(), f"{cpu_build.described()} / avx2+avx512")}
