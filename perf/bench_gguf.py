@@ -45,17 +45,11 @@ def agreement(file: Path, threads: int, prompts: int = 6, tokens: int = 32) -> d
     (dequantized, fp32): Pagoda with int8 activations (the default; prefill in bf16 where the CPU has it), int16 (x
     as two int8 digits, prefill in fp32) and float32, and llama.cpp (which rounds x to 8 bits too). Printed; a
     quantized mode's goal is met when no prompt agrees less than llama.cpp's."""
-    import torch
-    import transformers
-
     from engine import LLM, SamplingParams
     from perf.gpu_correct import divergence, hf_greedy
     ids = [prompt_ids(48, seed=500 + i) for i in range(prompts)]
-    from engine.models.config import ModelConfig
-    # the embedding's rows, not the tokenizer's count (transformers' reading), where a file pads one of them
-    hf = transformers.AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32,
-                                                           vocab_size=ModelConfig.from_dir(file).vocab_size)
-    want = [hf_greedy(hf.eval(), p, tokens) for p in ids]
+    hf = reference(file)
+    want = [hf_greedy(hf, p, tokens) for p in ids]
     del hf
     agree = lambda got: [tokens if (d := divergence(g, w)) is None else d for g, w in zip(got, want)]  # noqa: E731
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
@@ -74,6 +68,23 @@ def agreement(file: Path, threads: int, prompts: int = 6, tokens: int = 32) -> d
           + "; ".join(f"{k} {v}" for k, v in out.items())
           + "; at least llama.cpp's on every prompt: " + ", ".join(f"{k} {v}" for k, v in met.items()))
     return out
+
+
+def reference(file: Path):
+    """transformers' fp32 model of the file, with the Llama 3 RoPE scaling its GGUF reader drops (llama.cpp's
+    `rope_freqs`, divisors of the inverse frequencies) put back into its rotary embedding."""
+    import torch
+    import transformers
+
+    from engine.models.config import ModelConfig
+    cfg = ModelConfig.from_dir(file)
+    # the embedding's rows, not the tokenizer's count (transformers' reading), where a file pads one of them
+    hf = transformers.AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32,
+                                                           vocab_size=cfg.vocab_size).eval()
+    if divisors := cfg.rope["full_attention"].divisors:
+        rope = hf.model.rotary_emb
+        rope.inv_freq = rope.original_inv_freq = rope.inv_freq / torch.tensor(divisors, dtype=torch.float32)
+    return hf
 
 
 def resident(file: Path, threads: int) -> str:

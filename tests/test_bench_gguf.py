@@ -57,3 +57,20 @@ def test_rows_name_each_file_and_the_cpu_and_instruction_sets_beside_it(tmp_path
     assert [(r["what"], r["met"]) for r in rows] == [("tiny-qwen q8_0 (1 MiB) decode", False),     # 1.05 < 1.1
                                                       ("tiny-qwen q8_0 512-token prefill", False)]  # 0.9 < 1.0
     assert {(r["cpu"], r["isa"]) for r in rows} == {(cpu_model(), f"{cpu_build.described()} / avx2+avx512")}
+
+
+def test_the_reference_keeps_llama_3s_rope_scaling_which_transformers_gguf_reader_drops(tmp_path):
+    import torch
+    import transformers
+
+    from tests.test_gguf import llama
+    src = llama(tmp_path)
+    file = write(src, tmp_path / "llama.gguf", "F32")
+    prompt = torch.tensor([list(range(3, 1000))])         # far past the scaling's 256 original positions
+    with torch.no_grad():
+        want = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()(prompt).logits
+        got = bench_gguf.reference(file)(prompt).logits
+        dropped = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path, gguf_file="llama.gguf", dtype=torch.float32, vocab_size=want.shape[-1]).eval()(prompt).logits
+    assert torch.allclose(got, want, atol=1e-5)
+    assert not torch.allclose(dropped, want, atol=1e-3)       # what the reader alone gives
