@@ -222,6 +222,42 @@ static inline void group_dot(const uint8_t* p, const XBlock* x, __m256 acc[C]) {
         }
 }
 
+#ifdef __AVX512VNNI__
+static inline __m512i both(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
+static inline __m512 both(__m256 a, __m256 b) { return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1); }
+
+// group_dot for two groups at once (p0's rows in lanes 0-7, p1's in 8-15) in 512-bit vectors: one vpdpbusd advances
+// 16 rows, twice group_dot's products an instruction, where several input rows make the step bound by them
+template <int T, int C>
+static inline void pair_dot(const uint8_t* p0, const uint8_t* p1, const XBlock* x, __m512 acc[C]) {
+    using P = Packed<T>;
+    constexpr int PER = P::UNIT / 4;
+    for (int col = 0; col < Block<T>::QK / 32; col++)
+        for (int half = 0; half < 32 / P::UNIT; half++) {
+            const int u = col * (32 / P::UNIT) + half, g0 = half * PER;
+            __m512i q[PER];
+            for (int j = 0; j < PER; j++) q[j] = both(P::q(p0, col, g0 + j), P::q(p1, col, g0 + j));
+            const __m512 s = both(P::scale(p0, u), P::scale(p1, u));
+            [[maybe_unused]] __m512 mn;
+            if constexpr (P::MIN) mn = both(P::mins(p0, u), P::mins(p1, u));
+            for (int c = 0; c < C; c++) {
+                const int* i16 = x[c].i16 + 2 * col;
+                __m512i a = _mm512_set1_epi32(-P::OFF * (P::UNIT == 32 ? i16[0] + i16[1] : i16[half]));
+                __m512i b = _mm512_setzero_si512();
+                for (int j = 0; j < PER; j += 2) {
+                    int32_t f0, f1;
+                    memcpy(&f0, x[c].q + 32 * col + 4 * (g0 + j), 4), memcpy(&f1, x[c].q + 32 * col + 4 * (g0 + j + 1), 4);
+                    a = _mm512_dpbusd_epi32(a, q[j], _mm512_set1_epi32(f0));
+                    b = _mm512_dpbusd_epi32(b, q[j + 1], _mm512_set1_epi32(f1));
+                }
+                a = _mm512_add_epi32(a, b);
+                acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(s, _mm512_set1_ps(x[c].dx[col])), acc[c]);
+                if constexpr (P::MIN) acc[c] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(x[c].xs[col]), acc[c]);
+            }
+        }
+}
+#endif
+
 // A group's rows [8, QK] of one block column as fp32 (out's rows ld apart), as gguf.quants.dequantize computes them
 template <int T>
 static void group_deq(const uint8_t* p, float* out, int64_t ld) {

@@ -15,60 +15,98 @@
 
 #include <string.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "cpu_packed.h"
 #include "cpu_rows.h"
 
-// A packed part: 8 rows a group times up to TILE input rows at a time, then the rows past the last group
-template <int T, int C>
-static void group_rows(const uint8_t* w, int64_t cols, const Input& in, int64_t c0, int64_t k, const float* bias,
-                       float* y, int64_t ldy) {
+// Where AVX512-VNNI multiplies 512-bit vectors, a pass of at least PAIR_ROWS input rows takes two adjacent groups at
+// once (pair_dot), where the products bound it; not K-quants with mins, whose unpacking does (no faster measured),
+// nor a row or two, which memory bounds (docs/cpu-kernels.md)
+constexpr int PAIR_ROWS = 4;
+#ifdef __AVX512VNNI__
+constexpr bool WIDE = true;
+#else
+constexpr bool WIDE = false;
+#endif
+
+// Input rows a pass over the weights: 8 where AVX-512's 32 registers hold their sums and the group's weights, but 4
+// for K-quants with mins (one more vector a unit: 8 rows of them measured slower than two passes of 4)
+template <int T>
+constexpr int tile() {
+#ifdef __AVX512F__
+    return Packed<T>::MIN ? 4 : 8;
+#else
+    return 4;
+#endif
+}
+
+// A packed group (8 rows; PAIR: it and the next, 16 rows, in 512-bit vectors) times C input rows from c0
+template <int T, int C, bool PAIR>
+static void group_rows(const uint8_t* w, int64_t bytes, int64_t cols, const Input& in, int64_t c0, int64_t k,
+                       const float* bias, float* y, int64_t ldy) {
     constexpr int QK = Block<T>::QK, BYTES = Packed<T>::BYTES;
+    using V = std::conditional_t<PAIR, __m512, __m256>;
     const int64_t nb = k / 32;
-    __m256 acc[C];
-    for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
+    V acc[C];
+    for (int c = 0; c < C; c++) acc[c] = V{};
     for (int64_t b = 0; b < cols; b++) {
         const uint8_t* at = w + b * BYTES;
-        for (int line = 0; line < BYTES; line += 64) _mm_prefetch((const char*)(at + 4 * BYTES + line), _MM_HINT_T0);
+        for (int line = 0; line < BYTES; line += 64) {
+            _mm_prefetch((const char*)(at + 4 * BYTES + line), _MM_HINT_T0);
+            if constexpr (PAIR) _mm_prefetch((const char*)(at + bytes + 4 * BYTES + line), _MM_HINT_T0);
+        }
         XBlock x[C];
         for (int c = 0; c < C; c++) {
             const int64_t row = c0 + c, first = b * (QK / 32);
             x[c] = {in.xq + row * k + b * QK, in.dx + row * nb + first, in.xs + row * nb + first, in.i16 + 2 * (row * nb + first)};
         }
-        group_dot<T, C>(at, x, acc);
+#ifdef __AVX512VNNI__
+        if constexpr (PAIR) pair_dot<T, C>(at, at + bytes, x, acc);
+        else
+#endif
+            group_dot<T, C>(at, x, acc);
     }
-    const __m256 add = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-    for (int c = 0; c < C; c++) _mm256_storeu_ps(y + (c0 + c) * ldy, _mm256_add_ps(acc[c], add));
+    for (int c = 0; c < C; c++) {
+        float* out = y + (c0 + c) * ldy;
+        if constexpr (PAIR)
+            _mm512_storeu_ps(out, _mm512_add_ps(acc[c], bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps()));
+        else
+            _mm256_storeu_ps(out, _mm256_add_ps(acc[c], bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps()));
+    }
+}
+
+// A group (or a pair of them) times all m input rows, tile() at a time
+template <int T, bool PAIR>
+static void group_tiles(const uint8_t* w, int64_t bytes, int64_t cols, const Input& in, int64_t m, int64_t k,
+                        const float* bias, float* y, int64_t ldy) {
+    constexpr int TILE = tile<T>();
+    for (int64_t c0 = 0; c0 < m; c0 += TILE) {
+        switch (m - c0 < TILE ? m - c0 : TILE) {
+#define TILE_CASE(C) case C: group_rows<T, C, PAIR>(w, bytes, cols, in, c0, k, bias, y, ldy); break;
+            TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5) TILE_CASE(6) TILE_CASE(7)
+#undef TILE_CASE
+            default: group_rows<T, TILE, PAIR>(w, bytes, cols, in, c0, k, bias, y, ldy);
+        }
+    }
 }
 
 template <int T>
 static void packed_gemv(const Input& in, int64_t m, const Part& p, int64_t k, const float* bias, float* y, int64_t ldy,
                         int threads) {
-    // input rows a pass over the weights: 8 where AVX-512's 32 registers hold their sums and the group's weights,
-    // but 4 for K-quants with mins (one more vector a unit: 8 rows of them measured slower than two passes of 4)
-#ifdef __AVX512F__
-    constexpr int TILE = Packed<T>::MIN ? 4 : 8;
-#else
-    constexpr int TILE = 4;
-#endif
     const int64_t groups = p.rows / G, cols = k / Block<T>::QK, bytes = cols * Packed<T>::BYTES;
+    const bool pairs = WIDE && !Packed<T>::MIN && m >= PAIR_ROWS;
     #pragma omp parallel for schedule(static) num_threads(threads) if (p.rows * k * m >= 65536)
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t* w = p.data + g * bytes;
+    for (int64_t unit = 0; unit < (pairs ? (groups + 1) / 2 : groups); unit++) {
+        const int64_t g = pairs ? 2 * unit : unit;
         const float* bg = bias ? bias + g * G : nullptr;
-        for (int64_t c0 = 0; c0 < m; c0 += TILE) {
-            switch (m - c0 < TILE ? m - c0 : TILE) {
-                case 1: group_rows<T, 1>(w, cols, in, c0, k, bg, y + g * G, ldy); break;
-                case 2: group_rows<T, 2>(w, cols, in, c0, k, bg, y + g * G, ldy); break;
-                case 3: group_rows<T, 3>(w, cols, in, c0, k, bg, y + g * G, ldy); break;
-                case 4: group_rows<T, 4>(w, cols, in, c0, k, bg, y + g * G, ldy); break;
-                case 5: group_rows<T, 5>(w, cols, in, c0, k, bg, y + g * G, ldy); break;
-                case 6: group_rows<T, 6>(w, cols, in, c0, k, bg, y + g * G, ldy); break;
-                case 7: group_rows<T, 7>(w, cols, in, c0, k, bg, y + g * G, ldy); break;
-                default: group_rows<T, 8>(w, cols, in, c0, k, bg, y + g * G, ldy);
+        if constexpr (WIDE)
+            if (pairs && g + 1 < groups) {
+                group_tiles<T, true>(p.data + g * bytes, bytes, cols, in, m, k, bg, y + g * G, ldy);
+                continue;
             }
-        }
+        group_tiles<T, false>(p.data + g * bytes, bytes, cols, in, m, k, bg, y + g * G, ldy);
     }
     const uint8_t* tail = p.data + groups * bytes;
     for (int64_t r = groups * G; r < p.rows; r++)
