@@ -22,8 +22,7 @@
 #include "cpu_rows.h"
 
 // Where AVX512-VNNI multiplies 512-bit vectors, a pass of at least PAIR_ROWS input rows takes two adjacent groups at
-// once (pair_dot), where the products bound it; not K-quants with mins, whose unpacking does (no faster measured),
-// nor a row or two, which memory bounds (docs/cpu-kernels.md)
+// once (pair_dot), where the products bound it; not a row or two, which memory bounds (docs/cpu-kernels.md)
 constexpr int PAIR_ROWS = 4;
 #ifdef __AVX512VNNI__
 constexpr bool WIDE = true;
@@ -32,11 +31,12 @@ constexpr bool WIDE = false;
 #endif
 
 // Input rows a pass over the weights: 8 where AVX-512's 32 registers hold their sums and the group's weights, but 4
-// for K-quants with mins (one more vector a unit: 8 rows of them measured slower than two passes of 4)
-template <int T>
+// for K-quants with mins in 256-bit vectors (one more vector a unit: 8 rows of them measured slower than two passes
+// of 4; a pair of groups takes 8, 1.2-1.3x faster than 4)
+template <int T, bool PAIR = false>
 constexpr int tile() {
 #ifdef __AVX512F__
-    return Packed<T>::MIN ? 4 : 8;
+    return Packed<T>::MIN && !PAIR ? 4 : 8;
 #else
     return 4;
 #endif
@@ -81,7 +81,7 @@ static void group_rows(const uint8_t* w, int64_t bytes, int64_t cols, const Inpu
 template <int T, bool PAIR>
 static void group_tiles(const uint8_t* w, int64_t bytes, int64_t cols, const Input& in, int64_t m, int64_t k,
                         const float* bias, float* y, int64_t ldy) {
-    constexpr int TILE = tile<T>();
+    constexpr int TILE = tile<T, PAIR>();
     for (int64_t c0 = 0; c0 < m; c0 += TILE) {
         switch (m - c0 < TILE ? m - c0 : TILE) {
 #define TILE_CASE(C) case C: group_rows<T, C, PAIR>(w, bytes, cols, in, c0, k, bias, y, ldy); break;
@@ -96,7 +96,7 @@ template <int T>
 static void packed_gemv(const Input& in, int64_t m, const Part& p, int64_t k, const float* bias, float* y, int64_t ldy,
                         int threads) {
     const int64_t groups = p.rows / G, cols = k / Block<T>::QK, bytes = cols * Packed<T>::BYTES;
-    const bool pairs = WIDE && !Packed<T>::MIN && m >= PAIR_ROWS;
+    const bool pairs = WIDE && m >= PAIR_ROWS;
     #pragma omp parallel for schedule(static) num_threads(threads) if (p.rows * k * m >= 65536)
     for (int64_t unit = 0; unit < (pairs ? (groups + 1) / 2 : groups); unit++) {
         const int64_t g = pairs ? 2 * unit : unit;
