@@ -3,18 +3,27 @@ speculative verify step), the step's milliseconds per row count, and each agains
 price a draft token pays, so it bounds what n-gram speculation can win at a given concurrency.
 
     python -m perf.bench_rows [--model FILE|DIR] [--rows 1 2 4 8 12 16] [--repeats 3] [--tokens 48] [--threads 2]
+                              [--against COMMIT]
 
 The model defaults to the registry's Gemma 3 270M (GGUF). The row counts are interleaved within each repeat; the
-table gives each count's median milliseconds a step with the repeats' range."""
+table gives each count's median milliseconds a step with the repeats' range. `--against COMMIT`: a second engine
+on the CPU kernels of that commit (its engine/kernels sources, built beside these), alternated with this one step
+count by step count, and each count's ratio (the commit's step over this one's: above 1, faster here) with its
+pairs' range."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.core.engine import Engine
 from engine.core.sampling import SamplingParams
+from engine.kernels import cpu_build
 from perf.common import cpu_model, prompt_ids, table
 
 
@@ -33,6 +42,38 @@ def step_ms(engine: Engine, rows: int, tokens: int) -> float:
     return (time.perf_counter() - start) / steps * 1000
 
 
+@contextlib.contextmanager
+def kernels_at(commit: str):
+    """Within it, the CPU kernels build from `commit`'s sources (an engine made then keeps that library)."""
+    sources, headers = cpu_build.SOURCES, cpu_build.HEADERS
+    root = Path(subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True,
+                               cwd=sources[0].parent).stdout.strip())
+    with tempfile.TemporaryDirectory() as tmp:
+        def at(path: Path) -> Path:
+            rel = path.relative_to(root).as_posix()
+            out = Path(tmp) / rel
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(subprocess.run(["git", "show", f"{commit}:{rel}"], capture_output=True, check=True,
+                                           cwd=root).stdout)
+            return out
+        cpu_build.SOURCES, cpu_build.HEADERS = [at(p) for p in sources], [at(p) for p in headers]
+        try:
+            yield
+        finally:
+            cpu_build.SOURCES, cpu_build.HEADERS = sources, headers
+
+
+def against(engine: Engine, other: Engine, rows: list[int], repeats: int, tokens: int) -> dict[int, list[float]]:
+    """Per row count, the other engine's step over this one's, alternated (which goes first turns each repeat)."""
+    ratios: dict[int, list[float]] = {r: [] for r in rows}
+    for i in range(repeats):
+        for r in rows:
+            pair = (engine, other) if i % 2 == 0 else (other, engine)
+            here, there = (step_ms(e, r, tokens) for e in pair)
+            ratios[r].append(there / here if i % 2 == 0 else here / there)
+    return ratios
+
+
 def main(argv: list[str] | None = None) -> dict[int, list[float]]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model")
@@ -40,13 +81,24 @@ def main(argv: list[str] | None = None) -> dict[int, list[float]]:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--against", metavar="COMMIT")
     args = ap.parse_args(argv)
     if args.model is None:
         from perf.bench_spec import default_model
         args.model = default_model()
-    engine = Engine(EngineConfig(model=args.model, num_threads=args.threads, max_batch_size=max(args.rows)),
-                    on_delta=lambda d: None)
+    config = EngineConfig(model=args.model, num_threads=args.threads, max_batch_size=max(args.rows))
+    engine = Engine(config, on_delta=lambda d: None)
     step_ms(engine, 1, 8)                                                   # warm-up
+    if args.against:
+        with kernels_at(args.against):
+            other = Engine(config, on_delta=lambda d: None)
+        step_ms(other, 1, 8)
+        ratios = against(engine, other, args.rows, args.repeats, args.tokens)
+        print(f"{args.model}: {args.threads} threads, {cpu_model()}, {cpu_build.described()}; {args.repeats} pairs "
+              f"of {args.tokens} tokens, the kernels of {args.against} against these")
+        print(table(["rows", f"{args.against}'s step / this one's (pairs' range)"],
+                    [[r, f"{statistics.median(t):.2f} ({min(t):.2f}-{max(t):.2f})"] for r, t in ratios.items()]))
+        return ratios
     times: dict[int, list[float]] = {r: [] for r in args.rows}
     for _ in range(args.repeats):
         for r in args.rows:

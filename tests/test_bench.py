@@ -208,6 +208,25 @@ def test_bench_rows_times_every_row_count(tiny_dir, capsys):
     assert "x the fewest rows' step" in out and out.count("\n") >= 4
 
 
+def test_bench_rows_pairs_the_kernels_of_a_commit_against_these(tiny_dir, capsys):
+    import subprocess
+
+    from engine.kernels import cpu_build
+    from perf import bench_rows
+    here = list(cpu_build.SOURCES)
+    with bench_rows.kernels_at("HEAD"):
+        theirs = cpu_build.SOURCES
+        assert [p.name for p in theirs] == [p.name for p in here] and theirs[0].parent != here[0].parent
+        shown = subprocess.run(["git", "show", "HEAD:engine/kernels/cpu_quant.cpp"], capture_output=True,
+                               check=True, cwd=here[0].parent).stdout
+        assert next(p for p in theirs if p.name == "cpu_quant.cpp").read_bytes() == shown
+    assert cpu_build.SOURCES == here
+    ratios = bench_rows.main(["--model", tiny_dir, "--rows", "1", "2", "--repeats", "2", "--tokens", "6",
+                              "--against", "HEAD"])
+    assert set(ratios) == {1, 2} and all(len(r) == 2 and all(x > 0 for x in r) for r in ratios.values())
+    assert "HEAD's step / this one's" in capsys.readouterr().out
+
+
 def test_spec_bound_replays_the_proposals_against_the_step_costs():
     from perf.spec_bound import replay
     prompt = list(range(10, 18))
