@@ -68,9 +68,8 @@ def against(engine: Engine, other: Engine, rows: list[int], repeats: int, tokens
     ratios: dict[int, list[float]] = {r: [] for r in rows}
     for i in range(repeats):
         for r in rows:
-            pair = (engine, other) if i % 2 == 0 else (other, engine)
-            here, there = (step_ms(e, r, tokens) for e in pair)
-            ratios[r].append(there / here if i % 2 == 0 else here / there)
+            ms = {id(e): step_ms(e, r, tokens) for e in ((engine, other) if i % 2 == 0 else (other, engine))}
+            ratios[r].append(ms[id(other)] / ms[id(engine)])
     return ratios
 
 

@@ -33,7 +33,7 @@ constexpr bool WIDE = false;
 // Input rows a pass over the weights: 8 where AVX-512's 32 registers hold their sums and the group's weights, but 4
 // for K-quants with mins in 256-bit vectors (one more vector a unit: 8 rows of them measured slower than two passes
 // of 4; a pair of groups takes 8, 1.2-1.3x faster than 4)
-template <int T, bool PAIR = false>
+template <int T, bool PAIR>
 constexpr int tile() {
 #ifdef __AVX512F__
     return Packed<T>::MIN && !PAIR ? 4 : 8;
