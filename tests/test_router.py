@@ -118,13 +118,23 @@ def test_kv_aware_routes_a_shared_prefix_to_the_replica_that_holds_it(tmp_path):
 
 
 def test_requests_a_saturated_replica_refuses_are_retried_on_the_other(tmp_path):
-    """Replica 0 takes one request and queues one (max_queue 1); a burst through the router finds it full, it
-    answers 429 before any byte, and the router retries those on replica 1: the client sees no failure."""
+    """Replica 0 takes one request and queues one (max_queue 1): two long ones sent to it directly fill it; a burst
+    through the router then finds it full, it answers 429 before any byte, and the router retries those on replica
+    1: the client sees no failure."""
     from engine.models.presets import make_model
     model = make_model("tiny", tmp_path / "tiny")
     with Cluster(str(model), replicas=2, policy="round_robin", engine_flags=["--dtype", "float32"],
                  replica_flags={0: ["--max-batch-size", "1", "--max-queue", "1"],
                                 1: ["--max-batch-size", "4", "--max-queue", "64"]}) as c:
+        full = c.workers[0]
+        hogs: dict[int, tuple[list[dict], str]] = {}
+        holders = [threading.Thread(target=lambda i=i: hogs.__setitem__(i, stream(full.url, random_ids(30, 100 + i),
+                                                                                  3000)))
+                   for i in range(2)]
+        for t in holders:
+            t.start()
+        wait_until(lambda: full.metric("vllm:num_requests_running") >= 1 and
+                   full.metric("vllm:num_requests_waiting") >= 1, "replica 0 to be full")
         results: dict[int, tuple[list[dict], str]] = {}
         threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, stream(c.url, random_ids(30, 200 + i),
                                                                                        64)))
@@ -135,5 +145,8 @@ def test_requests_a_saturated_replica_refuses_are_retried_on_the_other(tmp_path)
             t.join(timeout=120)
         assert sorted(end for _, end in results.values()) == ["done"] * 12, results
         assert all(tokens(chunks) == 64 for chunks, _ in results.values())
+        for t in holders:
+            t.join(timeout=120)
+        assert [end for _, end in hogs.values()] == ["done"] * 2, hogs
         wait_until(lambda: c.workers[0].metric("pagoda_requests_total", status="refused") > 0,
                    "replica 0 to count its refusals", timeout=30)
