@@ -3,7 +3,7 @@ speculative verify step), the step's milliseconds per row count, and each agains
 price a draft token pays, so it bounds what n-gram speculation can win at a given concurrency.
 
     python -m perf.bench_rows [--model FILE|DIR] [--rows 1 2 4 8 12 16] [--repeats 3] [--tokens 48] [--threads 2]
-                              [--against COMMIT]
+                              [--against COMMIT] [--dtype auto|bfloat16|float32]
 
 The model defaults to the registry's Gemma 3 270M (GGUF). The row counts are interleaved within each repeat; the
 table gives each count's median milliseconds a step with the repeats' range. `--against COMMIT`: a second engine
@@ -81,11 +81,13 @@ def main(argv: list[str] | None = None) -> dict[int, list[float]]:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--against", metavar="COMMIT")
+    ap.add_argument("--dtype", default="auto", help="the engine's dtype (a float checkpoint: bfloat16, float32)")
     args = ap.parse_args(argv)
     if args.model is None:
         from perf.bench_spec import default_model
         args.model = default_model()
-    config = EngineConfig(model=args.model, num_threads=args.threads, max_batch_size=max(args.rows))
+    config = EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
+                          max_batch_size=max(args.rows))
     engine = Engine(config, on_delta=lambda d: None)
     step_ms(engine, 1, 8)                                                   # warm-up
     if args.against:

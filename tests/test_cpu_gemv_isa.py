@@ -100,3 +100,10 @@ def test_this_cpu_builds_with_the_extensions_it_has():
     assert ("bf16" in exts) == ("avx512_bf16" in cpu_build.cpu_flags())
     assert cpu_build.extensions("avx2") == []
     assert cpu_build.described("avx2") == "avx2"
+
+
+def test_the_weight_streams_are_prefetched_ahead_on_intel_cpus_only(monkeypatch):
+    for vendor, ahead in {"GenuineIntel": 4096, "AuthenticAMD": 0, "": 0}.items():
+        monkeypatch.setattr(cpu_build, "cpu_info", lambda field, v=vendor: v if field == "vendor_id" else "")
+        assert cpu_build.ahead() == ahead
+        assert f"-DPAGODA_AHEAD={ahead}" in cpu_build.compile_flags("avx2")      # and so in the library's key

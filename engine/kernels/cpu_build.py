@@ -36,15 +36,28 @@ def isa() -> str | None:
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+def cpu_info(field: str) -> str:
+    """The first CPU's `field` in /proc/cpuinfo ("flags", "vendor_id"); empty where there is none."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
+            if line.split(":", 1)[0].strip() == field:
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return frozenset()
+    return ""
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags."""
+    return frozenset(cpu_info("flags").split())
+
+
+def ahead() -> int:
+    """Bytes ahead of a weight stream that the GEMVs prefetch (the PAGODA_AHEAD macro), 0 for none. On the Intel
+    Xeons of this machine kind one thread's stream of a GEMV read about 10 GB/s as the hardware prefetchers alone
+    fetched it and 13 GB/s with lines asked for 4 KiB ahead; on the AMD EPYCs, software prefetching read 0.76-0.99x
+    (docs/cpu-kernels.md)."""
+    return 4096 if cpu_info("vendor_id") == "GenuineIntel" else 0
 
 
 def vnni() -> bool:
@@ -62,13 +75,19 @@ def extensions(target: str) -> list[str]:
     return [] if target != "avx512" else [name for name, has in (("vnni", vnni()), ("bf16", bf16())) if has]
 
 
+def compile_flags(target: str, exts: list[str] | None = None) -> list[str]:
+    """The compiler's flags for `target` with the AVX-512 extensions `exts` (default: this CPU's)."""
+    return [*FLAGS, *ISAS[target], *(f"-mavx512{ext}" for ext in (extensions(target) if exts is None else exts)),
+            f"-DPAGODA_AHEAD={ahead()}"]
+
+
 def build(target: str = "avx2", exts: list[str] | None = None) -> Path:
     """The shared library for `target` (an ISAS key) with the AVX-512 extensions `exts` (default: this CPU's, see
     extensions), compiled on first use into the cache folder under a name keyed by source and flags."""
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler ({cxx})")
-    flags = [*FLAGS, *ISAS[target], *(f"-mavx512{ext}" for ext in (extensions(target) if exts is None else exts))]
+    flags = compile_flags(target, exts)
     key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join([cxx, *flags]).encode())
     out = cache_root() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if out.exists():

@@ -115,8 +115,8 @@ static void input(const float* row, int64_t k, In<T>* dst) {
 // R weight rows from w (k weights each) against C input rows from x (each laid out by `input`, k apart):
 // y[c * ldy + r] = their dot products (+ bias[r]). U accumulators a pair, so that R * C * U >= 4 independent
 // chains of adds hide their latency; each weight vector is loaded once for the C input rows. With R > 1 the rows
-// of the next block are prefetched, a line at a time (the streams side by side read slower without it; a lone
-// stream reads slower with it).
+// of the next block are prefetched, a line at a time (the streams side by side read slower without it); a lone
+// stream, PAGODA_AHEAD bytes ahead where the build sets it (cpu_build.ahead: the CPUs it reads faster on).
 template <typename T, int R, int C>
 static inline void block(const In<T>* x, const T* w, int64_t k, const T* bias, T* y, int64_t ldy) {
     using D = Dot<T>;
@@ -129,6 +129,8 @@ static inline void block(const In<T>* x, const T* w, int64_t k, const T* bias, T
     // acc[.][.][u] += the step at i
     const auto step = [&](int64_t i, int u) {
         typename D::W wv[R];
+        if (R == 1 && PAGODA_AHEAD && i * sizeof(T) % 64 == 0)
+            _mm_prefetch((const char*)(w + i) + PAGODA_AHEAD, _MM_HINT_T0);
         for (int r = 0; r < R; r++) {
             if (R > 1 && i * sizeof(T) % 64 == 0) _mm_prefetch((const char*)(w + (r + R) * k + i), _MM_HINT_T0);
             wv[r] = D::load(w + r * k + i);

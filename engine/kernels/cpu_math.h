@@ -7,6 +7,11 @@
 
 typedef uint16_t bf16;
 
+// Bytes ahead of a GEMV's weight stream to prefetch (cpu_build.ahead sets it per CPU); 0: the hardware's alone
+#ifndef PAGODA_AHEAD
+#define PAGODA_AHEAD 0
+#endif
+
 static inline float widen(float v) { return v; }
 static inline float widen(bf16 v) {
     uint32_t u = (uint32_t)v << 16;

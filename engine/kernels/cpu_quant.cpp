@@ -53,9 +53,10 @@ static void group_rows(const uint8_t* w, int64_t bytes, int64_t cols, const Inpu
     for (int c = 0; c < C; c++) acc[c] = V{};
     for (int64_t b = 0; b < cols; b++) {
         const uint8_t* at = w + b * BYTES;
+        constexpr int64_t AHEAD = PAGODA_AHEAD > 4 * BYTES ? PAGODA_AHEAD : 4 * BYTES;
         for (int line = 0; line < BYTES; line += 64) {
-            _mm_prefetch((const char*)(at + 4 * BYTES + line), _MM_HINT_T0);
-            if constexpr (PAIR) _mm_prefetch((const char*)(at + bytes + 4 * BYTES + line), _MM_HINT_T0);
+            _mm_prefetch((const char*)(at + AHEAD + line), _MM_HINT_T0);
+            if constexpr (PAIR) _mm_prefetch((const char*)(at + bytes + AHEAD + line), _MM_HINT_T0);
         }
         XBlock x[C];
         for (int c = 0; c < C; c++) {
