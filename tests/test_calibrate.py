@@ -17,27 +17,30 @@ kernels = pytest.mark.skipif(cpu_build.library() is None, reason="no C++ CPU ker
 
 
 def synthetic(row: float, late: float, cheap: int, asked: list[int], draw: float = 0.0):
+    """Step seconds of a machine that slows by 5% a step."""
     def seconds(model, buffers, rows, scale):
+        speed = 1 + 0.05 * len(asked)
         asked.append(rows)
         assert len(buffers) >= rows
-        return 0.01 * (1 + row * (min(rows, cheap) - 1) + late * max(rows - cheap, 0)), 0.01 * draw
+        return 0.01 * speed * (1 + row * (min(rows, cheap) - 1) + late * max(rows - cheap, 0)), 0.01 * speed * draw
     return seconds
 
 
 def test_row_costs_are_the_timed_steps_against_a_one_row_step(monkeypatch):
-    """Steps of 1, cheap and 2 x cheap rows (at most the pass's rows), interleaved; a row's cost within the cheap
-    rows and past them, in one-row steps, and what a row's draw at a temperature adds; where the pass takes no row
-    past the cheap ones, `late` is `row`; a timing that says rows are free or cost more than a step is bounded."""
+    """Steps of 1, cheap and 2 x cheap rows (at most the pass's rows): a warm-up, then pairs of rounds, forwards and
+    backwards; a row's cost within the cheap rows and past them, in one-row steps, and what a row's draw at a
+    temperature adds, each priced by a pair's sums, so a machine whose speed drifts gives the costs it would
+    steady; where the pass takes no row past the cheap ones, `late` is `row`; a timing that says rows are free or
+    cost more than a step is bounded."""
     asked: list[int] = []
     monkeypatch.setattr(calibrate, "step_seconds", synthetic(0.1, 0.2, 4, asked, draw=0.05))
     args = (None, 2, (1, 4), torch.float32, 1.0)
     assert calibrate.row_costs(*args, cheap=4, most=32) == pytest.approx((0.1, 0.2, 0.05))
-    assert asked == [1, 4, 8] * calibrate.ROUNDS
+    assert asked == [1, 4, 8] + [1, 4, 8, 8, 4, 1] * calibrate.PAIRS
     assert calibrate.row_costs(*args, cheap=4, most=6) == pytest.approx((0.1, 0.2, 0.05))
     assert calibrate.row_costs(*args, cheap=4, most=4) == pytest.approx((0.1, 0.1, 0.05))
     monkeypatch.setattr(calibrate, "step_seconds", synthetic(0.0, 3.0, 4, []))
     assert calibrate.row_costs(*args, cheap=4, most=32) == (0.02, 1.0, 0.0)
-
 
 class Counting:
     """The model's CPU layers, counting the rows of each call."""
@@ -65,7 +68,7 @@ def test_the_engine_prices_rows_by_the_runner_timing(tmp_path, monkeypatch, kind
     runner = LLM(model=model, dtype="float32").engine.runner
     runner.model.stack = counting = Counting(runner.model.stack)
     row, late, sampled = runner.row_costs()
-    assert set(counting.rows) == widths and len(counting.rows) == len(widths) * calibrate.ROUNDS
+    assert set(counting.rows) == widths and len(counting.rows) == len(widths) * (1 + 2 * calibrate.PAIRS)
     assert 0.02 <= row <= 1.0 and 0.02 <= late <= 1.0 and 0 <= sampled <= 1.0 and (kind != "fp32" or late == row)
     runner.model.stack = None
     assert runner.row_costs() is None

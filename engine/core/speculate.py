@@ -43,7 +43,8 @@ class Costs:
     """What a decode row adds to a step, in one-row steps: `row` within the runner's `cheap` rows, `late` past them,
     and `sampled` more for a row drawn at a temperature (its softmax and draw over the vocabulary). The defaults
     are an AMD EPYC's (int8 blocks, 2 threads; perf.bench_rows), for runners that do not time their rows
-    (TorchRunner.row_costs: an Intel Xeon with AMX measured 0.09, 0.13 and 0.08 on Gemma 3 270M)."""
+    (TorchRunner.row_costs: an Intel Xeon with AMX measured 0.22-0.24, 0.19-0.22 and 0.09-0.10 on Gemma 3 270M,
+    once its GEMVs prefetched ahead and a one-row step got faster)."""
     cheap: int
     row: float = 0.15
     late: float = 0.25

@@ -1,10 +1,11 @@
 """What a decode row costs on this machine, for speculation's pricing of its draft rows (engine/core/speculate.py:
 Costs). CPUs differ here more than any constant covers: on Gemma 3 270M's int8 blocks with 2 threads, a row past
-the 4 cheap ones adds 0.13 of a one-row step on an Intel Xeon with AMX and 0.24 on an AMD EPYC (perf.bench_rows).
+the 4 cheap ones added 0.13 of a one-row step on an Intel Xeon with AMX and 0.24 on an AMD EPYC (perf.bench_rows),
+and 0.2 on that Xeon once the GEMVs prefetched their streams ahead there (a faster one-row step).
 
 Decode steps of 1, `cheap` and 2 x `cheap` rows (at most the pass's rows) run through the model's one-call CPU
-layers, its logits and greedy sampling, over scratch dense KV, interleaved, and each width's median time gives the
-costs; a row drawn at temperature 1 instead adds what its draw takes (a 262k-token vocabulary's softmax and draw
+layers, its logits and greedy sampling, over scratch dense KV, in pairs of rounds that cancel the machine's drift
+(row_costs); a row drawn at temperature 1 instead adds what its draw takes (a 262k-token vocabulary's softmax and draw
 cost a sampled row about 0.08 of a one-row step on that Xeon)."""
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from engine.core.sampling import SamplingParams
 from engine.kernels.cpu_layers import Dense
 from engine.runners.torch.sampler import argmax, sample_one
 
-ROUNDS = 4          # the first is a warm-up
+PAIRS = 6           # of rounds, after a warm-up
 CONTEXT = 64        # positions of scratch KV behind each row
 
 
@@ -48,21 +49,27 @@ def row_costs(model, layers: int, kv_shape: tuple[int, ...], dtype: torch.dtype,
               most: int) -> tuple[float, float, float]:
     """(row, late, sampled): what a row adds to a one-row step within the first `cheap` rows and past them (`most`:
     the rows a step takes in one pass; where it is `cheap`, no row comes past them and `late` is `row`), and what a
-    row drawn at a temperature adds to that."""
+    row drawn at a temperature adds to that. After a warm-up, each of PAIRS pairs of rounds times every width
+    forwards, then backwards, and prices rows by the pair's sums, so that a drift of the machine's speed (it moves
+    within seconds on these VMs) cancels within a pair; the costs are the medians of the pairs' prices."""
     wide = min(2 * cheap, most)
     widths = sorted({1, cheap, wide})
     buffers = [torch.zeros((layers, 2, CONTEXT, *kv_shape), dtype=dtype) for _ in range(wide)]
-    times: dict[int, list[float]] = {w: [] for w in widths}
-    draws = []
-    for _ in range(ROUNDS):
-        for w in widths:
-            step, draw = step_seconds(model, buffers, w, scale)
-            times[w].append(step)
-            draws.append(draw)
-    one, at_cheap, at_wide = (statistics.median(times[w][1:]) for w in (1, cheap, wide))
-    row = (at_cheap - one) / one / max(cheap - 1, 1)
-    late = (at_wide - at_cheap) / one / (wide - cheap) if wide > cheap else row
-    return _bounded(row), _bounded(late), _bounded(statistics.median(draws[len(widths):]) / one, 0.0)
+    for w in widths:
+        step_seconds(model, buffers, w, scale)                  # a warm-up
+    rows, lates, draws = [], [], []
+    for _ in range(PAIRS):
+        step, draw = dict.fromkeys(widths, 0.0), 0.0
+        for w in widths + widths[::-1]:
+            seconds, drawn = step_seconds(model, buffers, w, scale)
+            step[w] += seconds
+            draw += drawn if w == 1 else 0.0
+        one = step[1]
+        rows.append((step[cheap] - one) / one / max(cheap - 1, 1))
+        lates.append((step[wide] - step[cheap]) / one / (wide - cheap) if wide > cheap else rows[-1])
+        draws.append(draw / one)
+    return (_bounded(statistics.median(rows)), _bounded(statistics.median(lates)),
+            _bounded(statistics.median(draws), 0.0))
 
 
 def _bounded(cost: float, low: float = 0.02) -> float:
