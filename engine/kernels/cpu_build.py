@@ -69,6 +69,12 @@ def bf16() -> bool:
     return "avx512_bf16" in cpu_flags()
 
 
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX): torch's bf16 GEMM is fast there, and about
+    five times slower than widening to fp32 elsewhere (models/widen.py)."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
 def extensions(target: str) -> list[str]:
     """The AVX-512 extensions the `target` build takes on this CPU: vnni, bf16 (none for avx2)."""
     return [] if target != "avx512" else [name for name, has in (("vnni", vnni()), ("bf16", bf16())) if has]

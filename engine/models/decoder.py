@@ -43,11 +43,12 @@ class RMSNorm(nn.Module):
 class Linear(nn.Linear):
     """nn.Linear whose calls of a few rows (decode) go to a GEMV kernel when the runner gives it one."""
     gemv = None                       # Callable (x, weight, bias) -> y with a `max_rows`; see Decoder.use_gemv
+    wide = None                       # prefill's F.linear in its stead (models/widen.py); see Decoder.use_wide
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv is not None and x.shape[0] <= self.gemv.max_rows:
             return self.gemv(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return (self.wide or F.linear)(x, self.weight, self.bias)
 
 
 def inv_freq(spec: RopeSpec, head_dim: int) -> torch.Tensor:
@@ -191,6 +192,7 @@ class Decoder(nn.Module):
         self.rope_kinds = [cfg.layer_types[self.rope_of.index(i)] for i in range(len(specs))]
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.head_gemv = None
+        self.wide = None                  # the logits' F.linear in its stead (models/widen.py); see use_wide
         self.stack = None                 # decode on a CPU: every layer in one C call (kernels.cpu_layers)
 
     def embed_scale(self, dtype: torch.dtype) -> float | None:
@@ -226,7 +228,7 @@ class Decoder(nn.Module):
         elif self.head_gemv is not None and hidden.shape[0] <= self.head_gemv.max_rows:
             out = self.head_gemv(hidden, self.head_weight).float()
         else:
-            out = F.linear(hidden, self.head_weight).float()
+            out = (self.wide or F.linear)(hidden, self.head_weight).float()
         cap = self.cfg.final_logit_softcapping
         return out if cap is None else torch.tanh(out / cap) * cap
 
@@ -237,6 +239,14 @@ class Decoder(nn.Module):
                 mod.gemv = gemv if gemv is not None and gemv.fits(mod.weight) else None
         head = self.head_weight
         self.head_gemv = gemv if gemv is not None and isinstance(head, torch.Tensor) and gemv.fits(head) else None
+
+    def use_wide(self, linear) -> None:
+        """Route the F.linear of every float projection and of the logits to `linear` (models/widen.py); None:
+        F.linear."""
+        self.wide = linear
+        for mod in self.modules():
+            if isinstance(mod, Linear):
+                mod.wide = linear
 
     def use_kernels(self, gemv, pointwise, stack=None) -> None:
         """Decode's layers (fp32 or bf16) through the fused C calls and the final norm through `pointwise`

@@ -23,7 +23,7 @@ SLICE_BYTES = 8 << 20     # prefill: the fp32 slice of a weight dequantized per 
 def prefill_dtype() -> torch.dtype:
     """Prefill's GEMM type beside int8 activations: bf16 where the CPU multiplies it natively (AVX512-BF16, AMX),
     about twice fp32's speed there and no lossier than decode's int8; else fp32."""
-    return torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & cpu_build.cpu_flags() else torch.float32
+    return torch.bfloat16 if cpu_build.native_bf16() else torch.float32
 
 
 @dataclass(slots=True)

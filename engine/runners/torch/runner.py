@@ -12,6 +12,7 @@ from engine import kernels
 from engine.core.sampling import SamplingParams
 from engine.kernels import cpu_gemv, cpu_layers, cpu_pointwise
 from engine.kv.layout import Layout
+from engine.models import widen
 from engine.models.loader import load_model
 from engine.runners.base import Geometry, Row, Sampled, flatten, in_order, logprob_rows
 from engine.runners.torch import attention as torch_attention
@@ -79,6 +80,8 @@ class TorchRunner:
             self.model.use_kernels(self.gemv, cpu_pointwise.load(),
                                    cpu_layers.load(torch.get_num_threads(), self.model.layers, cfg.rms_norm_eps,
                                                    cfg.windows, self.model.rope_of))
+        if widen.wanted(self.dtype, self.device):
+            self.model.use_wide(widen.linear)
         fused = self.model.layers[0].kernels is not None
         stack = self.model.stack
         self.step_rows = stack.max_rows if stack else cpu_gemv.MAX_ROWS if fused else max(8, max_batch_size)
