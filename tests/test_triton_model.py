@@ -215,3 +215,26 @@ def test_while_the_engine_is_down_requests_are_unavailable_and_a_crash_loop_unlo
     assert unloaded == ["llm"]
     engine.health, engine.why = Health.UP, ""
     assert run(model, random_ids(10, seed=1), 4).sent[-1][0].error is None
+
+
+def test_finalize_stops_the_engine_without_asking_triton_to_unload(monkeypatch, tiny_dir):
+    """A shut-down engine reads FAILED, as a crash loop does; the responder must not take finalize's shutdown for
+    one: an unload asked for while Triton finalizes the model aborted tritonserver (a clean-clone CI run)."""
+    from engine.serving.supervisor import Health
+    module, model = start_model(monkeypatch, {"model": tiny_dir, "dtype": "float32", "num_threads": "1"})
+    unloaded: list[str] = []
+    module.pb_utils.unload_model = unloaded.append
+    monkeypatch.setattr(module, "METRICS_SYNC_S", 0.0)          # the responder looks at the health every turn
+    looks: list[Health] = []
+    sync = model.mirror.sync
+    model.mirror.sync = lambda: (sync(), looks.append(model.engine.health))
+    shutdown = model.engine.shutdown
+
+    def slow_shutdown() -> None:         # the responder turns at least twice before finalize queues its end
+        shutdown()
+        seen = len(looks)
+        wait_until(lambda: len(looks) > seen + 1, "the responder to look at the shut-down engine")
+    model.engine.shutdown = slow_shutdown
+    model.finalize()
+    assert looks[-1] is Health.FAILED and not model.responder.is_alive()
+    assert unloaded == []
