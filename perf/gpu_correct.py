@@ -76,7 +76,7 @@ def greedy_identity(s) -> tuple[dict, list[dict]]:
                       speculative_config=spec)
             if llm.engine.spec is not None:
                 llm.engine.spec.chain = True         # a GPU's default: the dry run's CPU rehearses it
-            for lookahead in (True, False) if spec is None else (True,):
+            for lookahead in s.lookaheads if spec is None else (True,):
                 got, cached = serve(llm, ps, s.tokens, lookahead)
                 vs_cpu = [divergence(g, w) for g, w in zip(got, want)]
                 vs_hf = [divergence(g, a) for g, a in zip(got, anchor)]

@@ -105,6 +105,7 @@ def test_shutdown_ends_running_streams_and_the_child_exits(tiny_dir):
         last = got.get(timeout=10)
     assert last.finish_reason == "error" and "shut down" in last.error
     assert eng.proc.returncode == 0
+    assert eng.health is Health.STOPPED         # on purpose: not a crash loop's FAILED
     with pytest.raises(EngineUnavailable, match="shut down"):
         eng.submit([5, 6], greedy(2), got.put)
 

@@ -8,6 +8,7 @@ import pytest
 
 from engine import LLM
 from engine.config import EngineConfig
+from engine.serving.supervisor import Health
 from engine.serving.threaded import ThreadedEngine
 from tests.helpers import greedy, random_ids, wait_until
 
@@ -85,7 +86,7 @@ def test_failed_step_ends_requests_and_engine_recovers(engine, monkeypatch):
 def test_a_wedged_engine_is_failed_not_left_hanging(tiny_dir):
     """A step fails and so does ending its requests: the engine reports FAILED, says so on submit, and runs its
     on_failed hook (in the engine's child process: exit, so the supervisor starts a new one)."""
-    from engine.serving.supervisor import EngineUnavailable, Health
+    from engine.serving.supervisor import EngineUnavailable
     failed = []
     eng = ThreadedEngine(EngineConfig(model=tiny_dir, dtype="float32"), on_failed=lambda: failed.append(True))
 
@@ -112,6 +113,7 @@ def test_shutdown_ends_streams(tiny_dir):
         return first, rest
     first, rest = asyncio.run(main())
     assert rest[-1].finished and rest[-1].finish_reason == "error" and "shut down" in rest[-1].error
+    assert eng.health is Health.STOPPED
 
 
 def test_submit_pushes_deltas_on_the_engine_thread_and_forgets_finished_streams(engine, tiny_dir):

@@ -16,8 +16,7 @@ from torch import nn
 
 from engine.kernels import cpu_build, cpu_quant
 from engine.kernels.cpu_gemv import ACTS, BLOCK_ROWS, GEMMA_NORM, MAX_ROWS, Q8X, Q16X
-
-SLICE_BYTES = 8 << 20     # prefill: the fp32 slice of a weight dequantized per GEMM
+from engine.models.widen import SLICE_BYTES  # prefill: the fp32 slice of a weight dequantized per GEMM
 
 
 def prefill_dtype() -> torch.dtype:

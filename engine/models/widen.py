@@ -12,7 +12,7 @@ import torch
 
 from engine.kernels import cpu_build
 
-SLICE_BYTES = 8 << 20     # the fp32 slice of a weight widened per GEMM
+SLICE_BYTES = 8 << 20     # the fp32 slice of a weight widened (here) or dequantized (quant.py) per GEMM
 
 
 def wanted(dtype: torch.dtype, device: torch.device) -> bool:

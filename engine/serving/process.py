@@ -203,7 +203,7 @@ class ProcessEngine(EngineClient):
             del self.streams[rid]
             push(Delta(rid, [], "", True, "error", f"engine: the engine process exited (code {code})"))
         if self.stopping:
-            self.health, self.why = Health.FAILED, "engine: shut down"
+            self.health, self.why = Health.STOPPED, "engine: shut down"
             return
         log.error("pagoda: the engine process exited (code %s)", code)
         self._restart()

@@ -98,6 +98,8 @@ class ThreadedEngine(EngineClient):
                         self.on_failed()
                     return
         self._take_inbox()
+        if self.health is Health.UP:
+            self.health, self.why = Health.STOPPED, "engine: shut down"
         engine.fail_all("engine: shut down")
 
     def _take_inbox(self) -> None:

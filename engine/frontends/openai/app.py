@@ -88,8 +88,9 @@ def create_app(engine: EngineClient, model_name: str, api_key: str | None = None
 
     @app.get("/health")
     async def health():
-        """200 while the engine serves; 503 while it restarts after a crash, or is down for good (a crash loop):
-        a readiness probe takes the replica out of rotation, a liveness probe on a FAILED one replaces it."""
+        """200 while the engine serves; 503 while it restarts after a crash, or is down for good (a crash loop, or
+        shut down): a readiness probe takes the replica out of rotation, a liveness probe on a FAILED one replaces
+        it."""
         if engine.health is Health.UP:
             return {"status": "ok"}
         return JSONResponse({"status": engine.health.value, "error": engine.why}, status_code=503)

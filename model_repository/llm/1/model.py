@@ -144,8 +144,8 @@ class TritonPythonModel:
 
     def finalize(self):
         log.info("pagoda: finalize: stopping the engine")
-        # the engine reads FAILED once shut down: no crash loop, and an unload asked for while Triton finalizes the
-        # model aborts tritonserver (boost::interprocess::lock_exception in the Python backend's finalize)
+        # a shut-down engine reads STOPPED, not FAILED; unloading guards too: an unload asked for while Triton
+        # finalizes the model aborts tritonserver (boost::interprocess::lock_exception in the Python backend's finalize)
         self.unloading = True
         self.engine.shutdown()
         self.outbox.put(None)
