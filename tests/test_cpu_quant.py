@@ -107,6 +107,36 @@ def test_the_gemv_is_the_float_product_of_the_dequantized_blocks(kind, m, target
         assert ((got - (x.double() @ w.T + bias.double())).abs() <= 2.0 ** -14 * (x.double().abs() @ w.abs().T)).all()
 
 
+def extreme(kind: str, rows: int, k: int) -> Blocks:
+    """Every weight at its type's greatest stored integer (Q8_0's +127), scales small and finite: the int8 products'
+    largest partial sums, where an int16 sum that overflowed would show."""
+    qt = gguf.GGMLQuantizationType[kind]
+    size, nbytes = gguf.GGML_QUANT_SIZES[qt]
+    raw = np.full((rows, k // size, nbytes), 0xFF, dtype=np.uint8)
+    half = np.array([0.01, 0.002], dtype=np.float16).view(np.uint8)
+    if kind == "Q8_0":
+        raw[..., 2:] = 127
+    at = {"Q4_K": slice(0, 4), "Q6_K": slice(208, 210)}.get(kind, slice(0, 2))
+    raw[..., at] = half[: at.stop - at.start]
+    return Blocks(int(qt), torch.from_numpy(np.ascontiguousarray(raw).reshape(rows, -1)), k)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_the_int8_products_hold_their_largest_sums(kind, target, sign):
+    """Packed rows' int8 products where every weight is its type's largest and every x rounds to +-127 (AVX2 sums
+    runs of small weights' pair products in int16 before widening them: kernels/cpu_packed.h)."""
+    b = extreme(kind, 16, 512)
+    q = QLinear([b], None, kernel(target))
+    q.int8 = True
+    q.pack()
+    x = torch.full((3, 512), sign)
+    w = dense(b).double()
+    want = x.double() @ w.T
+    assert ((q.forward(x).double() - want).abs() <= 512 * 2.0 ** -24 * (x.double().abs() @ w.abs().T)).all()
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_a_fused_projection_of_mixed_types_with_its_norm_activation_and_residual(target):
     parts = [blocks("Q4_K", 12, 256, 3), blocks("Q6_K", 6, 256, 4), blocks("Q8_0", 6, 256, 5)]

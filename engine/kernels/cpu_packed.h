@@ -41,6 +41,25 @@ static inline __m256i dot4(__m256i acc, __m256i q, const int8_t* x) {
     }
 #endif
 }
+#ifndef __AVX512VNNI__
+// Without VNNI a dot4 is two multiplies (maddubs, then madd to widen its int16 pair sums), which bound a step of
+// several rows on an AVX2 CPU. A unit's groups share one scale, so where the weights are small their pair sums
+// (at most 2 x q_max x 127 with |x| <= 127) add up in int16 over RUN groups and widen once: Q4's 8 (8 x 3810),
+// Q5_0's 4 (4 x 7874), Q6_K's 2 (2 x 16002); Q8_0's 32258 leaves no room.
+template <int OFF>
+constexpr int RUN = OFF == 0 || OFF == 8 ? 8 : OFF == 16 ? 4 : OFF == 32 ? 2 : 1;
+
+template <int OFF, int N>
+static inline __m256i dot_run(__m256i acc, const __m256i* q, const int8_t* x) {
+    __m256i sum = _mm256_setzero_si256();
+    for (int j = 0; j < N; j++) {
+        int32_t four;
+        memcpy(&four, x + 4 * j, 4);
+        sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(q[j], _mm256_set1_epi32(four)));
+    }
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(sum, _mm256_set1_epi16(1)));
+}
+#endif
 // the int32 a unit's dot products start from: minus OFF times the sum of its x (isum); OFF = 128 without VNNI is
 // signed already
 template <int OFF>
@@ -211,6 +230,12 @@ static inline void group_dot(const uint8_t* p, const XBlock* x, __m256 acc[C]) {
             for (int c = 0; c < C; c++) {      // two chains of dot products a row: vpdpbusd's latency, not its
                 const int* i16 = x[c].i16 + 2 * col;    // throughput, bounded a step of several input rows
                 __m256i a = start<P::OFF>(P::UNIT == 32 ? i16[0] + i16[1] : i16[half]), b = _mm256_setzero_si256();
+#ifndef __AVX512VNNI__
+                if constexpr (RUN<P::OFF> > 1) {
+                    for (int j = 0; j < PER; j += RUN<P::OFF>)
+                        a = dot_run<P::OFF, RUN<P::OFF>>(a, q + j, x[c].q + 32 * col + 4 * (g0 + j));
+                } else
+#endif
                 for (int j = 0; j < PER; j += 2) {
                     a = dot4<P::OFF>(a, q[j], x[c].q + 32 * col + 4 * (g0 + j));
                     b = dot4<P::OFF>(b, q[j + 1], x[c].q + 32 * col + 4 * (g0 + j + 1));
