@@ -15,7 +15,8 @@ class Health(Enum):
     UP = "up"                   # serving
     RESTARTING = "restarting"   # the engine died; a new one is being started: requests are refused, retry soon
     FAILED = "failed"           # a crash loop or a wedged engine: down for good
-    STOPPED = "stopped"         # shut down on purpose (shutdown()): down for good, and nothing to replace
+    STOPPED = "stopped"         # shut down on purpose: down for good, nothing to replace (an unload asked for
+                                # while Triton finalizes the model aborts tritonserver)
 
 
 @dataclass(slots=True)

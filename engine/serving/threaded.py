@@ -98,8 +98,7 @@ class ThreadedEngine(EngineClient):
                         self.on_failed()
                     return
         self._take_inbox()
-        if self.health is Health.UP:
-            self.health, self.why = Health.STOPPED, "engine: shut down"
+        self.health, self.why = Health.STOPPED, "engine: shut down"     # a wedged engine returned above
         engine.fail_all("engine: shut down")
 
     def _take_inbox(self) -> None:

@@ -144,9 +144,6 @@ class TritonPythonModel:
 
     def finalize(self):
         log.info("pagoda: finalize: stopping the engine")
-        # a shut-down engine reads STOPPED, not FAILED; unloading guards too: an unload asked for while Triton
-        # finalizes the model aborts tritonserver (boost::interprocess::lock_exception in the Python backend's finalize)
-        self.unloading = True
         self.engine.shutdown()
         self.outbox.put(None)
         self.responder.join(timeout=5)
