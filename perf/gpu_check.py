@@ -47,13 +47,16 @@ class Sizes:
     speed_attention: str          # the speed sections' engines (the dry run: torch's ops, not interpreted Triton)
     quant_k: int                  # the block GEMV's weight: quant_k x quant_k
     lookaheads: tuple[bool, ...]  # greedy identity's lookahead settings per case (the dry run: the one a GPU runs)
+    graphs: tuple[str, ...]       # greedy identity's paged cases' cuda_graphs (the dry run: the GPU's default path)
+    max_len: int                  # greedy identity's max_model_len (0: the checkpoint's)
 
 
 FULL = Sizes("cuda", "auto", ("tiny", "small", "tiny-gemma3", "tiny-mistral"), 32, 120, "qwen2.5-0.5b", 64,
              "qwen2.5-0.5b", 256, 3, 471, 512,
-             (512, 2048, 8192), (1, 4), 50, 0, "", "auto", 4096, (True, False))
-DRY = Sizes("cpu", "triton", ("tiny-gemma3",), 4, 70, "tiny", 6, "tiny", 4, 1, 80, 4, (64,), (1,), 1, 16,
-            "switch or buckets or mixed_parts or (sliding_window and 5-dtype0)", "reference", 256, (True,))
+             (512, 2048, 8192), (1, 4), 50, 0, "", "auto", 4096, (True, False), ("true", "false"), 0)
+DRY = Sizes("cpu", "triton", ("tiny-gemma3",), 4, 56, "tiny", 6, "tiny", 4, 1, 80, 4, (64,), (1,), 1, 16,
+            "switch or buckets or mixed_parts or (sliding_window and 5-dtype0)", "reference", 256, (True,), ("true",),
+            128)
 
 
 def environment(s: Sizes) -> tuple[dict, list[dict]]:

@@ -69,10 +69,11 @@ def greedy_identity(s) -> tuple[dict, list[dict]]:
         del hf
         results[f"{preset}: CPU engine vs transformers"] = [divergence(a, b) for a, b in zip(want, anchor)]
         # the last case verifies n-gram drafts as multi-row decode steps through the same kernels and graphs
-        for storage, graphs, spec in (("paged", "true", None), ("paged", "false", None), ("dense", "false", None),
-                                      ("paged", "true", SPEC)):
+        cases = [("paged", g, None) for g in s.graphs] + [("dense", "false", None), ("paged", "true", SPEC)]
+        for storage, graphs, spec in cases:
             llm = LLM(model=path, device=s.device, dtype="float32", kv_storage=storage, cuda_graphs=graphs,
                       attention=s.attention, max_batch_size=4, num_kv_blocks=s.blocks if storage == "paged" else 0,
+                      max_model_len=s.max_len,
                       speculative_config=spec)
             if llm.engine.spec is not None:
                 llm.engine.spec.chain = True         # a GPU's default: the dry run's CPU rehearses it

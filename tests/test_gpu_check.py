@@ -87,9 +87,10 @@ def test_dry_run_runs_every_section_with_only_what_the_gpu_machine_has(tmp_path)
     assert list(report["sections"]) == list(gpu_check.sections())
     cases = report["sections"]["greedy identity (fp32)"]["results"]["cases"]
     # per preset: paged x graphs x lookahead, dense x lookahead, speculation (paged, graphs, lookahead)
-    per = 3 * len(gpu_check.DRY.lookaheads) + 1
+    per = (len(gpu_check.DRY.graphs) + 1) * len(gpu_check.DRY.lookaheads) + 1
     assert len(cases) == per * len(gpu_check.DRY.presets) and all(c["ok"] for c in cases), cases
     assert gpu_check.FULL.lookaheads == (True, False)     # a GPU runs each case with lookahead and without
+    assert gpu_check.FULL.graphs == ("true", "false")     # and paged with graphs and without
     spec = [c["pipelined_of_decode_steps"] for c in cases if c["speculative"]]
     assert len(spec) == len(gpu_check.DRY.presets) and all(p > n / 2 for p, n in spec), spec   # verify steps chain
     names = {g["name"] for g in report["goals"]}

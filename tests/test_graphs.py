@@ -110,6 +110,20 @@ def test_engine_with_graphs_generates_what_the_dynamic_step_does(tiny_dir, looka
     assert outs["true"] == outs["false"]
 
 
+def test_tables_are_as_wide_as_the_longest_sequence_served(tiny_dir):
+    """max_model_len below the checkpoint's narrows the fixed-shape tables, and with them the blocks a step reads."""
+    wide = LLM(model=tiny_dir, kv_storage="paged", dtype="float32", block_size=16, cuda_graphs="true",
+               num_kv_blocks=64, max_batch_size=2)
+    narrow = LLM(model=tiny_dir, kv_storage="paged", dtype="float32", block_size=16, cuda_graphs="true",
+                 num_kv_blocks=64, max_batch_size=2, max_model_len=40)
+    assert wide.engine.runner.graphs.width == 64 and narrow.engine.runner.graphs.width == 3     # 40 tokens: 3 blocks
+    assert narrow.engine.runner.max_model_len == narrow.engine.max_model_len == 40
+    params = SamplingParams(max_tokens=28, temperature=0, ignore_eos=True)          # 12 + 28: the whole context
+    out = narrow.generate(PROMPTS[0][:12], params)[0]
+    assert len(out.token_ids) == 28 and out.token_ids == wide.generate(PROMPTS[0][:12], params)[0].token_ids
+    assert narrow.engine.runner.graphs.replays > 0 and narrow.engine.pool.num_used == 0
+
+
 def test_cuda_graphs_option():
     with pytest.raises(ValueError, match="cuda_graphs"):
         EngineConfig(cuda_graphs="true", kv_storage="dense")

@@ -44,6 +44,7 @@ class Engine:
         self.runner = runner = runner or make_runner(config, config.model)     # first: it names a bad model dir
         self.tokenizer = Tokenizer(config.tokenizer or config.model)
         self.max_model_len = min(config.max_model_len or runner.max_model_len, runner.max_model_len)
+        runner.max_model_len = self.max_model_len        # the longest sequence served sizes what the runner holds
         self.metrics = Metrics(config.model_name)
         self.recorder = Recorder(self.metrics, config.prompt_cache)
         self.output = Output(self.tokenizer.stop_ids(runner.eos_token_ids), self.max_model_len, self.tokenizer)

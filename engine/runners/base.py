@@ -92,7 +92,7 @@ def logprob_rows(rows: list[Row]) -> list[int]:
 
 class ModelRunner(Protocol):
     vocab_size: int
-    max_model_len: int
+    max_model_len: int            # the checkpoint's, until the engine lowers it to its max_model_len
     eos_token_ids: list[int]
     bytes_per_token: int          # KV bytes of one position, all layers
     windows: list[int]            # per layer: its sliding window (0: none)

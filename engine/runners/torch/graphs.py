@@ -5,7 +5,7 @@ work, against ~0.25 ms of weight reads for a 0.5B bf16 model on an H200). A capt
 launch. Its inputs are static buffers the step fills in place: token ids, positions, KV slots, lengths and block
 tables (each contiguous: the kernels index them as flat arrays). A batch of n runs in the smallest bucket >= n;
 the rows past n are padding that writes its K/V into a scratch block the pool never hands out and attends to it
-alone. Attention reads a fixed table width, bounded by the model's length, with lengths on the device, so one
+alone. Attention reads a fixed table width, bounded by the served max_model_len, with lengths on the device, so one
 graph serves every step of its bucket.
 
 The graph ends in the logits and their argmax (the greedy tokens). Rows that sample otherwise (temperature,
