@@ -118,12 +118,14 @@ class Server:
 
 
 def launch(env: dict[str, str], log: Path, ready_timeout: float = 300,
-           repository: Path = ROOT / "model_repository") -> Server:
+           repository: Path = ROOT / "model_repository", exit_timeout: int = 15) -> Server:
     """Start tritonserver in the background on free loopback ports; returns once the model is ready and its metrics
-    answer."""
+    answer. `exit_timeout`: how long a stop waits for the model to unload (tritonserver's default is 30 s; 2.51
+    sometimes never unloads a decoupled Python model after client cancellations, and then waits all of it)."""
     ports = free_ports(3)
     cmd = [sys.executable, "-m", "scripts.tritonserver", f"--http-port={ports[0]}", f"--grpc-port={ports[1]}",
-           f"--metrics-port={ports[2]}", f"--model-repository={repository}"]
+           f"--metrics-port={ports[2]}", f"--model-repository={repository}", "--",
+           f"--exit-timeout-secs={exit_timeout}"]
     out = open(log, "w")
     proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
     server = Server(proc, *ports, log)

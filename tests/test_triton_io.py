@@ -113,13 +113,14 @@ def test_outputs_carry_one_element_per_sequence():
 
 class FakeMetric:
     def __init__(self, labels, buckets=None):
-        self.labels, self.buckets, self.value, self.observed = labels, buckets, 0.0, []
+        self.labels, self.buckets, self.value, self.observed, self.sets = labels, buckets, 0.0, [], 0
 
     def increment(self, v):
         self.value += v
 
     def set(self, v):
         self.value = v
+        self.sets += 1
 
     def observe(self, v):
         self.observed.append(v)
@@ -154,6 +155,15 @@ def test_mirror_copies_counters_gauges_and_histograms():
     assert fam["pagoda_kv_blocks"].metrics[0].value == 7
     ttft = fam["pagoda_time_to_first_token_seconds"].metrics[0]
     assert ttft.observed == [0.2] and ttft.buckets[0] == 0.005
+    # an idle engine's sync sends nothing: each set is a round trip to tritonserver, and one in flight when
+    # tritonserver gives up on a shutdown leaves the stub (and the engine under it) waiting for ever
+    gauges = [x for f in fam.values() if f.kind == "G" for x in f.metrics]
+    sets = sum(x.sets for x in gauges)
+    mirror.sync()
+    assert sum(x.sets for x in gauges) == sets
+    m.kv_blocks.labels(state="free").set(6)
+    mirror.sync()
+    assert sum(x.sets for x in gauges) == sets + 1 and fam["pagoda_kv_blocks"].metrics[0].value == 6
 
 
 def test_every_series_exists_before_any_request():

@@ -169,9 +169,10 @@ class Metrics:
 
 
 class Mirror:
-    """Copies the registry into another metrics API on each `sync()`: counters by increment, gauges by value,
-    histograms by replaying observations. `family(name, description, kind)` must return an object whose
-    `Metric(labels=..., buckets=...)` has increment/set/observe, the shape of Triton's pb_utils.MetricFamily."""
+    """Copies the registry into another metrics API on each `sync()`: counters by increment, gauges by value (each
+    only when it changed), histograms by replaying observations. `family(name, description, kind)` must return an
+    object whose `Metric(labels=..., buckets=...)` has increment/set/observe, the shape of Triton's
+    pb_utils.MetricFamily."""
 
     def __init__(self, metrics: Metrics, family: Callable[..., Any], kinds: dict[str, Any],
                  labels: dict[str, str]) -> None:
@@ -205,7 +206,10 @@ class Mirror:
                         series.increment(delta)
                         self.last[key] = s.value
                 elif fam.type == "gauge":
-                    self._metric(s.name, s.labels).set(s.value)
+                    key = (s.name, tuple(sorted(s.labels.items())))
+                    if self.last.get(key) != s.value:        # each set is a round trip to tritonserver
+                        self._metric(s.name, s.labels).set(s.value)
+                        self.last[key] = s.value
         while self.metrics.observations:
             name, value = self.metrics.observations.popleft()
             self._metric(name, self.metrics.histogram_labels.get(name, {})).observe(value)
