@@ -62,10 +62,6 @@ def qwen_tools_url(qwen_tiny_dir, tmp_path_factory):
         yield url
 
 
-@pytest.fixture(scope="session")
-def qwen_dir(tmp_path_factory) -> str:
-    """The qwen2.5-0.5b preset: Qwen2.5-0.5B's geometry and tokenizer, random weights."""
-    return made(tmp_path_factory, "qwen2.5-0.5b")
 
 
 @pytest.fixture(scope="module")

@@ -124,6 +124,10 @@ def test_detokenizer_is_utf8_safe(llm):
 
 
 def test_default_model_is_made_once(monkeypatch, tmp_path):
+    from engine.config import cache_root
+    kernels = cache_root() / "kernels"          # the session's compiled CPU kernels: only the model is made anew
+    kernels.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "kernels").symlink_to(kernels)
     monkeypatch.setenv("PAGODA_CACHE", str(tmp_path))
     first = LLM()
     path = tmp_path / "models" / "small-seed0" / "model.safetensors"
