@@ -229,14 +229,18 @@ def test_bf16_model_logits_with_the_kernel_match_torch(gemv, small_dir):
     torch.testing.assert_close(got, logits(), rtol=0.05, atol=0.05)
 
 
-def test_a_failed_build_falls_back_to_torch_with_a_warning(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("cxx, why", [("no-such-compiler", "no C++ compiler (no-such-compiler)"),
+                                      ("false", "cpu_gemv.cpp -o")])        # a compiler that fails every source
+def test_a_failed_build_falls_back_to_torch_with_a_warning(tmp_path, monkeypatch, caplog, cxx, why):
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip("not an AVX2 CPU: load() returns None before building")
     monkeypatch.setenv("PAGODA_CACHE", str(tmp_path))
-    monkeypatch.setenv("CXX", "no-such-compiler")
+    monkeypatch.setenv("CXX", cxx)
     with caplog.at_level(logging.WARNING, logger="pagoda"):
         assert cpu_gemv.load(threads=1) is None
-    assert "CPU kernels unavailable" in caplog.text and "no C++ compiler (no-such-compiler)" in caplog.text
+    assert "CPU kernels unavailable" in caplog.text and why in caplog.text
+    if cxx == "false":
+        assert not list((tmp_path / "kernels").iterdir())          # nothing half-built left behind
 
 
 def test_kill_switch(monkeypatch):

@@ -98,16 +98,24 @@ def build(target: str = "avx2", exts: list[str] | None = None) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
-    os.close(fd)
-    # rpath to torch's lib folder: the kernel's OpenMP calls land in the libgomp torch already loaded.
-    torch_lib = Path(torch.__file__).parent / "lib"
-    cmd = [cxx, *flags, *map(str, SOURCES), "-o", tmp, f"-Wl,-rpath,{torch_lib}"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
-    os.replace(tmp, out)
+    with tempfile.TemporaryDirectory(dir=out.parent) as work:
+        # one compiler per source, all at once (a build is minutes of one core otherwise), then one link
+        objects = [Path(work) / f"{src.stem}.o" for src in SOURCES]
+        compiles = [([cxx, *flags, "-c", str(src), "-o", str(obj)], obj) for src, obj in zip(SOURCES, objects)]
+        running = [(cmd, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+                   for cmd, _ in compiles]
+        for cmd, proc in running:
+            _, err = proc.communicate()
+            if proc.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed: {err.strip()[-500:]}")
+        # rpath to torch's lib folder: the kernel's OpenMP calls land in the libgomp torch already loaded.
+        torch_lib = Path(torch.__file__).parent / "lib"
+        tmp = Path(work) / out.name
+        cmd = [cxx, *flags, *map(str, objects), "-o", str(tmp), f"-Wl,-rpath,{torch_lib}"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, out)
     return out
 
 
