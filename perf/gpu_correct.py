@@ -73,8 +73,7 @@ def greedy_identity(s) -> tuple[dict, list[dict]]:
         for storage, graphs, spec in cases:
             llm = LLM(model=path, device=s.device, dtype="float32", kv_storage=storage, cuda_graphs=graphs,
                       attention=s.attention, max_batch_size=4, num_kv_blocks=s.blocks if storage == "paged" else 0,
-                      max_model_len=s.max_len,
-                      speculative_config=spec)
+                      max_model_len=s.max_len, speculative_config=spec)
             if llm.engine.spec is not None:
                 llm.engine.spec.chain = True         # a GPU's default: the dry run's CPU rehearses it
             for lookahead in s.lookaheads if spec is None else (True,):

@@ -62,8 +62,6 @@ def qwen_tools_url(qwen_tiny_dir, tmp_path_factory):
         yield url
 
 
-
-
 @pytest.fixture(scope="module")
 def gemv() -> cpu_gemv.CpuGemv:
     """The CPU GEMV kernels on 2 threads, or the test skipped where they cannot run."""

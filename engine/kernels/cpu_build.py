@@ -99,11 +99,10 @@ def build(target: str = "avx2", exts: list[str] | None = None) -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as work:
-        # one compiler per source, all at once (a build is minutes of one core otherwise), then one link
+        # one compiler per source, all at once, then one link
         objects = [Path(work) / f"{src.stem}.o" for src in SOURCES]
-        compiles = [([cxx, *flags, "-c", str(src), "-o", str(obj)], obj) for src, obj in zip(SOURCES, objects)]
         running = [(cmd, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-                   for cmd, _ in compiles]
+                   for cmd in ([cxx, *flags, "-c", str(src), "-o", str(obj)] for src, obj in zip(SOURCES, objects))]
         for cmd, proc in running:
             _, err = proc.communicate()
             if proc.returncode != 0:

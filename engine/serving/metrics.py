@@ -197,19 +197,20 @@ class Mirror:
 
     def sync(self) -> None:
         for fam in self.metrics.registry.collect():
+            if fam.type not in ("counter", "gauge"):
+                continue                                # histograms replay their observations below
             for s in fam.samples:
-                if fam.type == "counter" and s.name.endswith("_total"):
-                    key = (s.name, tuple(sorted(s.labels.items())))
-                    delta = s.value - self.last.get(key, 0.0)
-                    series = self._metric(s.name, s.labels)          # made at 0 on the first sync
-                    if delta:
-                        series.increment(delta)
-                        self.last[key] = s.value
-                elif fam.type == "gauge":
-                    key = (s.name, tuple(sorted(s.labels.items())))
-                    if self.last.get(key) != s.value:        # each set is a round trip to tritonserver
-                        self._metric(s.name, s.labels).set(s.value)
-                        self.last[key] = s.value
+                if fam.type == "counter" and not s.name.endswith("_total"):
+                    continue
+                key = (s.name, tuple(sorted(s.labels.items())))
+                series = self._metric(s.name, s.labels)             # made at 0 on the first sync
+                if fam.type == "counter" and s.value != self.last.get(key, 0.0):
+                    series.increment(s.value - self.last.get(key, 0.0))
+                elif fam.type == "gauge" and s.value != self.last.get(key):   # each a round trip to tritonserver
+                    series.set(s.value)
+                else:
+                    continue
+                self.last[key] = s.value
         while self.metrics.observations:
             name, value = self.metrics.observations.popleft()
             self._metric(name, self.metrics.histogram_labels.get(name, {})).observe(value)
