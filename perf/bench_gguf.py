@@ -42,9 +42,10 @@ def rows(files: tuple[tuple[str, str], ...], threads: int, tokens: int, repeats:
 
 def agreement(file: Path, threads: int, prompts: int = 6, tokens: int = 32) -> dict[str, list[int]]:
     """Per prompt, how many of the first `tokens` greedy tokens equal those of transformers loading the same file
-    (dequantized, fp32): Pagoda with int8 activations (the default; prefill in bf16 where the CPU has it), int16 (x
-    as two int8 digits, prefill in fp32) and float32, and llama.cpp (which rounds x to 8 bits too). Printed; a
-    quantized mode's goal is met when no prompt agrees less than llama.cpp's."""
+    (dequantized, fp32): Pagoda with mixed activations (the default: int8 with a second digit in outlier blocks;
+    prefill in bf16 where the CPU has it), int8 (llama.cpp's rounding), int16 (x as two int8 digits, prefill in
+    fp32) and float32, and llama.cpp (which rounds x to 8 bits too). Printed; a quantized mode's goal is met when no
+    prompt agrees less than llama.cpp's."""
     from engine import LLM, SamplingParams
     from perf.gpu_correct import divergence, hf_greedy
     ids = [prompt_ids(48, seed=500 + i) for i in range(prompts)]
@@ -54,7 +55,7 @@ def agreement(file: Path, threads: int, prompts: int = 6, tokens: int = 32) -> d
     agree = lambda got: [tokens if (d := divergence(g, w)) is None else d for g, w in zip(got, want)]  # noqa: E731
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     out = {}
-    for acts in ("int8", "int16", "float32"):
+    for acts in ("mixed", "int8", "int16", "float32"):
         llm = LLM(model=str(file), quantized_activations=acts, num_threads=threads)
         out[f"Pagoda {acts}"] = agree([o.token_ids for o in llm.generate(ids, [params] * len(ids))])
         del llm
@@ -63,7 +64,8 @@ def agreement(file: Path, threads: int, prompts: int = 6, tokens: int = 32) -> d
         out["llama.cpp"] = agree([peer.greedy(p, tokens) for p in ids])
     finally:
         peer.close()
-    met = {acts: all(a >= b for a, b in zip(out[f"Pagoda {acts}"], out["llama.cpp"])) for acts in ("int8", "int16")}
+    met = {acts: all(a >= b for a, b in zip(out[f"Pagoda {acts}"], out["llama.cpp"]))
+           for acts in ("mixed", "int8", "int16")}
     print(f"{file.name}: greedy tokens equal to transformers' (of {tokens}, per prompt): "
           + "; ".join(f"{k} {v}" for k, v in out.items())
           + "; at least llama.cpp's on every prompt: " + ", ".join(f"{k} {v}" for k, v in met.items()))

@@ -32,6 +32,7 @@ ACTS = {None: 0, "silu": 1, "gelu_pytorch_tanh": 2}           # a fused call's g
 GEMMA_NORM = 4
 Q8X = 8                                                       # blocks: x rounded to int8 (kernels/cpu_quant.cpp)
 Q16X = 16                                                     # with Q8X: x as two int8 digits (about 16 bits)
+MIXED = 32                                                    # with Q8X: the second digit where x's rounding errs most
 
 
 class CpuGemv:

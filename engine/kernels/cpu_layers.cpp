@@ -116,7 +116,7 @@ static void run(const Weights* layers, const Dims* d, T* x, int64_t m, const T* 
     thread_local std::vector<T> qkv, att, mid, gate_up, out;
     qkv.resize(m * qkv_n), att.resize(m * q_n), out.resize(m * d->hidden);
     mid.resize(m * d->hidden), gate_up.resize(m * 2 * d->intermediate);
-    const int q8 = (int)(d->mode & (Q8X | Q16X));        // blocks: x in int8 (or two int8 digits) for their products
+    const int q8 = (int)(d->mode & (Q8X | Q16X | MIXED));  // blocks: x in int8 (and a second digit) for their products
     for (int64_t l = 0; l < d->layers; l++) {
         const Weights& w = layers[l];
         project(w.qkv_q, x, m, w.qkv_w, w.qkv_b, qkv.data(), qkv_n, d->hidden, threads, w.input_norm, d->eps,

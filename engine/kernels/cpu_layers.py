@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from engine.kernels import cpu_build
-from engine.kernels.cpu_gemv import ACTS, BLOCK_ROWS, CHEAP_BLOCK_ROWS, DTYPES, GEMMA_NORM, MAX_ROWS, Q8X, Q16X
+from engine.kernels.cpu_gemv import ACTS, BLOCK_ROWS, CHEAP_BLOCK_ROWS, DTYPES, GEMMA_NORM, MAX_ROWS
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -97,7 +97,7 @@ class CpuLayers:
         self.weights = (Weights * len(layers))(*(_weights(layer, w, r, 0, i)
                                                  for i, (layer, w, r) in enumerate(zip(layers, windows, ropes))))
         mode = ACTS[first.act_name] | (GEMMA_NORM if first.input_norm.gemma else 0) | \
-            (Q8X if getattr(first.qkv, "int8", False) else 0) | (Q16X if getattr(first.qkv, "split", False) else 0)
+            (first.qkv.bits() if hasattr(first.qkv, "bits") else 0)
         self.dims = Dims(len(layers), first.o_proj.weight.shape[0], first.n_heads, first.n_kv, first.head_dim,
                          first.down.weight.shape[1], 0, 0, mode, eps, 0.0)
         self.threads = threads

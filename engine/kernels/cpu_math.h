@@ -76,8 +76,10 @@ static inline __m256 round8_as(__m256 v) {
 }
 
 // What a fused call folds into its input (`mode`, bits): the gated activation of x = [gate | up], and Gemma's norm;
-// and for blocks (cpu_quant.cpp) whether x is rounded to int8 for the dot products
-enum { SILU = 1, GELU = 2, GEMMA_NORM = 4, Q8X = 8, Q16X = 16 };
+// and for blocks (cpu_quant.cpp) whether x is rounded to int8 for the dot products, with a second int8 digit for
+// every block (Q16X) or for those whose scale is over MIXED_OVER times their row's median block's (MIXED)
+enum { SILU = 1, GELU = 2, GEMMA_NORM = 4, Q8X = 8, Q16X = 16, MIXED = 32 };
+constexpr float MIXED_OVER = 3.f;
 
 // One row of n: out[i] = x[i] / sqrt(mean(x^2) + eps) * w[i], in fp32. For bf16 rounded where the model's torch
 // path rounds: the normalised x, then its product with w (Hugging Face's Qwen2RMSNorm). Gemma's (gemma): scaled by

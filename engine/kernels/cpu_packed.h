@@ -72,11 +72,15 @@ static inline __m256i start(int isum) {
 static inline __m256 halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 
 // x of one input row as the products read it, at a block column: int8 values, scale per 32 (dx), sums of the
-// rounded values per 32 (xs, fp32) and per 16 (i16, int)
+// rounded values per 32 (xs, fp32: of both digits) and per 16 (i16, int); a second digit (Input's rest) where
+// `q2` is set
 struct XBlock {
     const int8_t* q;
     const float *dx, *xs;
     const int* i16;
+    const int8_t* q2;
+    const float* dx2;
+    const int* i16b;
 };
 
 template <int T> struct Packed;
@@ -213,6 +217,24 @@ template <> struct Packed<Q6_K> {
     static __m256 mins(const uint8_t*, int) { return _mm256_setzero_ps(); }
 };
 
+// A unit's weights (PER groups of 4, 8 rows) times one digit of x (int8 at xq, its sums per 16 at i16) as int32 lanes;
+// two chains of dot products: vpdpbusd's latency, not its throughput, bounded a step of several input rows
+template <typename P, int PER>
+static inline __m256i unit_dot(const __m256i* q, const int8_t* xq, const int* i16, int half) {
+    __m256i a = start<P::OFF>(P::UNIT == 32 ? i16[0] + i16[1] : i16[half]), b = _mm256_setzero_si256();
+#ifndef __AVX512VNNI__
+    if constexpr (RUN<P::OFF> > 1) {
+        for (int j = 0; j < PER; j += RUN<P::OFF>) a = dot_run<P::OFF, RUN<P::OFF>>(a, q + j, xq + 4 * j);
+        return a;
+    }
+#endif
+    for (int j = 0; j < PER; j += 2) {
+        a = dot4<P::OFF>(a, q[j], xq + 4 * j);
+        b = dot4<P::OFF>(b, q[j + 1], xq + 4 * (j + 1));
+    }
+    return _mm256_add_epi32(a, b);
+}
+
 // One block column of a group (8 rows) times C input rows (x at that column's first 32 values): acc[c]'s lanes are
 // the rows' sums
 template <int T, int C>
@@ -227,21 +249,16 @@ static inline void group_dot(const uint8_t* p, const XBlock* x, __m256 acc[C]) {
             const __m256 s = P::scale(p, u);
             [[maybe_unused]] __m256 mn;
             if constexpr (P::MIN) mn = P::mins(p, u);
-            for (int c = 0; c < C; c++) {      // two chains of dot products a row: vpdpbusd's latency, not its
-                const int* i16 = x[c].i16 + 2 * col;    // throughput, bounded a step of several input rows
-                __m256i a = start<P::OFF>(P::UNIT == 32 ? i16[0] + i16[1] : i16[half]), b = _mm256_setzero_si256();
-#ifndef __AVX512VNNI__
-                if constexpr (RUN<P::OFF> > 1) {
-                    for (int j = 0; j < PER; j += RUN<P::OFF>)
-                        a = dot_run<P::OFF, RUN<P::OFF>>(a, q + j, x[c].q + 32 * col + 4 * (g0 + j));
-                } else
-#endif
-                for (int j = 0; j < PER; j += 2) {
-                    a = dot4<P::OFF>(a, q[j], x[c].q + 32 * col + 4 * (g0 + j));
-                    b = dot4<P::OFF>(b, q[j + 1], x[c].q + 32 * col + 4 * (g0 + j + 1));
-                }
-                a = _mm256_add_epi32(a, b);
-                acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(s, _mm256_set1_ps(x[c].dx[col])), acc[c]);
+            for (int c = 0; c < C; c++) {
+                const int8_t* xq = x[c].q + 32 * col + 4 * g0;
+                const float d = x[c].dx[col], d2 = x[c].q2 ? x[c].dx2[col] : 0.f;
+                if (d != 0.f)
+                    acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(unit_dot<P, PER>(q, xq, x[c].i16 + 2 * col, half)),
+                                             _mm256_mul_ps(s, _mm256_set1_ps(d)), acc[c]);
+                if (d2 != 0.f)
+                    acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(unit_dot<P, PER>(q, x[c].q2 + 32 * col + 4 * g0,
+                                                                                 x[c].i16b + 2 * col, half)),
+                                             _mm256_mul_ps(s, _mm256_set1_ps(d2)), acc[c]);
                 if constexpr (P::MIN) acc[c] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(x[c].xs[col]), acc[c]);
             }
         }
@@ -266,17 +283,22 @@ static inline void pair_dot(const uint8_t* p0, const uint8_t* p1, const XBlock* 
             [[maybe_unused]] __m512 mn;
             if constexpr (P::MIN) mn = both(P::mins(p0, u), P::mins(p1, u));
             for (int c = 0; c < C; c++) {
-                const int* i16 = x[c].i16 + 2 * col;
-                __m512i a = _mm512_set1_epi32(-P::OFF * (P::UNIT == 32 ? i16[0] + i16[1] : i16[half]));
-                __m512i b = _mm512_setzero_si512();
-                for (int j = 0; j < PER; j += 2) {
-                    int32_t f0, f1;
-                    memcpy(&f0, x[c].q + 32 * col + 4 * (g0 + j), 4), memcpy(&f1, x[c].q + 32 * col + 4 * (g0 + j + 1), 4);
-                    a = _mm512_dpbusd_epi32(a, q[j], _mm512_set1_epi32(f0));
-                    b = _mm512_dpbusd_epi32(b, q[j + 1], _mm512_set1_epi32(f1));
+                for (int digit = 0; digit < (x[c].q2 ? 2 : 1); digit++) {
+                    const float d = (digit ? x[c].dx2 : x[c].dx)[col];
+                    if (d == 0.f) continue;
+                    const int8_t* xq = (digit ? x[c].q2 : x[c].q) + 32 * col + 4 * g0;
+                    const int* i16 = (digit ? x[c].i16b : x[c].i16) + 2 * col;
+                    __m512i a = _mm512_set1_epi32(-P::OFF * (P::UNIT == 32 ? i16[0] + i16[1] : i16[half]));
+                    __m512i b = _mm512_setzero_si512();
+                    for (int j = 0; j < PER; j += 2) {
+                        int32_t f0, f1;
+                        memcpy(&f0, xq + 4 * j, 4), memcpy(&f1, xq + 4 * (j + 1), 4);
+                        a = _mm512_dpbusd_epi32(a, q[j], _mm512_set1_epi32(f0));
+                        b = _mm512_dpbusd_epi32(b, q[j + 1], _mm512_set1_epi32(f1));
+                    }
+                    a = _mm512_add_epi32(a, b);
+                    acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(s, _mm512_set1_ps(d)), acc[c]);
                 }
-                a = _mm512_add_epi32(a, b);
-                acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(s, _mm512_set1_ps(x[c].dx[col])), acc[c]);
                 if constexpr (P::MIN) acc[c] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(x[c].xs[col]), acc[c]);
             }
         }

@@ -15,6 +15,7 @@
 
 #include <string.h>
 
+#include <algorithm>
 #include <type_traits>
 #include <vector>
 
@@ -61,7 +62,9 @@ static void group_rows(const uint8_t* w, int64_t bytes, int64_t cols, const Inpu
         XBlock x[C];
         for (int c = 0; c < C; c++) {
             const int64_t row = c0 + c, first = b * (QK / 32);
-            x[c] = {in.xq + row * k + b * QK, in.dx + row * nb + first, in.xs + row * nb + first, in.i16 + 2 * (row * nb + first)};
+            const int64_t at = row * nb + first, rb = in.rest / 32;
+            x[c] = {in.xq + row * k + b * QK, in.dx + at, in.xs + at, in.i16 + 2 * at,
+                    in.rest ? in.xq + in.rest + row * k + b * QK : nullptr, in.dx + rb + at, in.i16 + 2 * (rb + at)};
         }
 #ifdef __AVX512VNNI__
         if constexpr (PAIR) pair_dot<T, C>(at, at + bytes, x, acc);
@@ -196,51 +199,57 @@ static void quantize_x(const float* x, int64_t blocks, int8_t* xq, float* dx, fl
     }
 }
 
+// x's second int8 digit, the rounding of what its first (xq, dx; m rows of nb blocks) left, for each block whose scale
+// is over `over` times its row's median block's (0: every block): an outlier block's scale is set by a few large
+// values, which its other values' rounding then errs by as much, and real models' activations have such channels
+// (docs/models.md). At `at` blocks past the first digit in xq (x 32), dx, xs (added to the first's: a min's term
+// sees both digits) and i16 (x 2); another block's second scale is 0, which the products skip.
+static void second_digit(const float* x, int64_t m, int64_t nb, float over, int8_t* xq, float* dx, float* xs, int* i16) {
+    const int64_t at = m * nb;
+    thread_local std::vector<float> sorted;
+    for (int64_t c = 0; c < m; c++) {
+        float bar = -1.f;
+        if (over > 0.f) {
+            sorted.assign(dx + c * nb, dx + (c + 1) * nb);
+            std::nth_element(sorted.begin(), sorted.begin() + nb / 2, sorted.end());
+            bar = over * sorted[nb / 2];
+        }
+        for (int64_t i = c * nb; i < (c + 1) * nb; i++) {
+            if (!(dx[i] > bar)) { dx[at + i] = 0.f; continue; }
+            float rest[32];
+            for (int j = 0; j < 32; j++) rest[j] = x[32 * i + j] - dx[i] * xq[32 * i + j];
+            quantize_x(rest, 1, xq + 32 * (at + i), dx + at + i, xs + at + i, i16 + 2 * (at + i));
+            xs[i] += xs[at + i];
+        }
+    }
+}
+
 // y = x @ w^T (+ bias), w's parts one after another in y's columns; int8: x rounded to int8 for quantized parts.
-// split (Q16X; with int8, where no part is float): x as two int8 digits, its rounding (rows [0, m)) and the rounding
-// of what that left (rows [m, 2m), 1/254 of the first's scale), multiplied in one pass over w and summed: x to about
-// 16 bits for the int8 products' weight traffic and twice their arithmetic
+// over >= 0 (with int8): a second int8 digit (second_digit; 1/254 of the first's scale) where the first errs most, 0
+// for every block (x to about 16 bits), multiplied with the same unpacked weights as the first; float parts take x
 static void gemv(const float* x, int64_t m, const Mat* w, const float* bias, float* y, int64_t n, int64_t k,
-                 int threads, bool int8, bool split) {
-    thread_local std::vector<float> xs, dx, rows2, out;
+                 int threads, bool int8, float over) {
+    thread_local std::vector<float> xs, dx;
     thread_local std::vector<int8_t> xq;
     thread_local std::vector<int> i16;
-    for (int64_t i = 0; i < w->parts; i++) {
-        const int t = w->part[i].type;
-        int8 |= w->part[i].packed != 0;                  // packed parts take int8 x only
-        split &= t != F32 && t != F16 && t != BF16;      // a float part would see both digits as x
-    }
-    split &= int8;
-    const int64_t digits = split ? 2 : 1, blocks = m * (k / 32), rows = digits * m;
+    for (int64_t i = 0; i < w->parts; i++) int8 |= w->part[i].packed != 0;      // packed parts take int8 x only
+    const int64_t digits = int8 && over >= 0.f ? 2 : 1, blocks = m * (k / 32);
     xs.resize(digits * blocks), dx.resize(digits * blocks), i16.resize(2 * digits * blocks);
-    xq.resize(int8 ? rows * k : 0);
+    xq.resize(int8 ? digits * m * k : 0);
     quantize_x(x, blocks, xq.data(), int8 ? dx.data() : nullptr, xs.data(), i16.data());
-    const float* xf = x;
-    if (split) {
-        rows2.resize(2 * m * k), out.resize(2 * m * n);
-        memcpy(rows2.data(), x, m * k * sizeof(float));
-        float* rest = rows2.data() + m * k;
-        for (int64_t j = 0; j < m * k; j++) rest[j] = x[j] - dx[j / 32] * xq[j];
-        quantize_x(rest, blocks, xq.data() + m * k, dx.data() + blocks, xs.data() + blocks, i16.data() + 2 * blocks);
-        xf = rows2.data();
-    }
-    const Input in = {xf, xs.data(), dx.data(), int8 ? xq.data() : nullptr, i16.data()};
-    float* dst = split ? out.data() : y;
+    if (digits == 2) second_digit(x, m, k / 32, over, xq.data(), dx.data(), xs.data(), i16.data());
+    const Input in = {x, xs.data(), dx.data(), int8 ? xq.data() : nullptr, i16.data(), digits == 2 ? m * k : 0};
     int64_t col = 0;
     for (int64_t i = 0; i < w->parts; i++) {
         const Part& p = w->part[i];
-        const float* b = bias && !split ? bias + col : nullptr;
-#define GEMV(T) part_gemv<T>(in, rows, p, k, b, dst + col, n, threads)
-#define PGEMV(T) packed_gemv<T>(in, rows, p, k, b, dst + col, n, threads)
+        const float* b = bias ? bias + col : nullptr;
+#define GEMV(T) part_gemv<T>(in, m, p, k, b, y + col, n, threads)
+#define PGEMV(T) packed_gemv<T>(in, m, p, k, b, y + col, n, threads)
         if (p.packed) PACKED(p.type, PGEMV) else DISPATCH(p.type, GEMV)
 #undef PGEMV
 #undef GEMV
         col += p.rows;
     }
-    if (split)
-        for (int64_t c = 0; c < m; c++)
-            for (int64_t j = 0; j < n; j++)
-                y[c * n + j] = out[c * n + j] + out[(m + c) * n + j] + (bias ? bias[j] : 0.f);
 }
 
 extern "C" {
@@ -262,7 +271,7 @@ void qgemv_fused(const float* x, int64_t m, const Mat* w, const float* bias, flo
         }
         src = in.data();
     }
-    gemv(src, m, w, bias, y, n, k, threads, mode & Q8X, mode & Q16X);
+    gemv(src, m, w, bias, y, n, k, threads, mode & Q8X, mode & Q16X ? 0.f : mode & MIXED ? MIXED_OVER : -1.f);
     if (residual != nullptr)
         for (int64_t i = 0; i < m * n; i++) y[i] += residual[i];
 }

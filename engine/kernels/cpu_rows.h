@@ -7,6 +7,16 @@
 
 #include "cpu_blocks.h"
 
+// The inputs of one call: x, its sums per 32, and (Q8X) its int8 form with a scale per 32 and integer sums per 16;
+// with a second digit (rest > 0), the rounding of what the first left, `rest` values further on in xq (and rest / 32
+// further in dx and i16, 2 x that); a block whose second scale is 0 has none
+struct Input {
+    const float *x, *xs, *dx;
+    const int8_t* xq;
+    const int* i16;
+    int64_t rest;
+};
+
 // Weight rows [r0, r0 + R) of one part against C input rows (stride k; xs: their sums per 32, for mins), summed
 // into y[c * ldy + r]. A float type's block is widened into fp32 once and multiplied with every input row; a
 // quantized block is unpacked to int8 once, and per SUB weights its integers times x are summed in fp32, then
@@ -65,8 +75,8 @@ static void block(const float* x, const float* xs, const uint8_t* w, int64_t row
 // (maddubs: u8 x s8 pairs into int16, then int32), converted to fp32 and scaled by the weights' scale (one a 16 for
 // Q6_K: half the lanes each) times x's. With AVX512-VNNI one vpdpbusd does the pairs' and quads' sums.
 template <int T, int R, int C>
-static void iblock(const int8_t* xq, const float* dx, const float* xs, const uint8_t* w, int64_t row_bytes, int64_t k,
-                   const float* bias, float* y, int64_t ldy) {
+static void iblock(const int8_t* xq, const float* dx, const float* xs, int64_t rest, const uint8_t* w, int64_t row_bytes,
+                   int64_t k, const float* bias, float* y, int64_t ldy) {
     using B = Block<T>;
     constexpr int CHUNKS = B::QK / 32;
     const int64_t nb = k / 32;
@@ -90,19 +100,24 @@ static void iblock(const int8_t* xq, const float* dx, const float* xs, const uin
                 mag[r] = _mm256_sign_epi8(qv[r], qv[r]);
             }
             for (int c = 0; c < C; c++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + c * k + 32 * blk));
-                const float d = dx[c * nb + blk];
-                for (int r = 0; r < R; r++) {
+                for (int64_t digit = 0; digit <= (rest > 0); digit++) {
+                    const int64_t at = digit * rest;
+                    const float d = dx[at / 32 + c * nb + blk];
+                    if (d == 0.f) continue;
+                    const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + at + c * k + 32 * blk));
+                    for (int r = 0; r < R; r++) {
 #ifdef __AVX512VNNI__
-                    const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), mag[r], _mm256_sign_epi8(xv, qv[r]));
+                        const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), mag[r], _mm256_sign_epi8(xv, qv[r]));
 #else
-                    const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(mag[r], _mm256_sign_epi8(xv, qv[r])), ones);
+                        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(mag[r], _mm256_sign_epi8(xv, qv[r])), ones);
 #endif
-                    const __m256 scale = B::SUB == 32 ? _mm256_set1_ps(sc[r][j] * d)
-                        : _mm256_setr_m128(_mm_set1_ps(sc[r][2 * j] * d), _mm_set1_ps(sc[r][2 * j + 1] * d));
-                    acc[c][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[c][r]);
-                    if constexpr (B::MIN) low[c][r] += mn[r][j] * xs[c * nb + blk];
+                        const __m256 scale = B::SUB == 32 ? _mm256_set1_ps(sc[r][j] * d)
+                            : _mm256_setr_m128(_mm_set1_ps(sc[r][2 * j] * d), _mm_set1_ps(sc[r][2 * j + 1] * d));
+                        acc[c][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[c][r]);
+                    }
                 }
+                if constexpr (B::MIN)
+                    for (int r = 0; r < R; r++) low[c][r] += mn[r][j] * xs[c * nb + blk];
             }
         }
     }
@@ -110,12 +125,6 @@ static void iblock(const int8_t* xq, const float* dx, const float* xs, const uin
         for (int r = 0; r < R; r++) y[c * ldy + r] = hsum(acc[c][r]) - low[c][r] + (bias ? bias[r] : 0.f);
 }
 
-// The inputs of one call: x, its sums per 32, and (Q8X) its int8 form with a scale per 32 and integer sums per 16
-struct Input {
-    const float *x, *xs, *dx;
-    const int8_t* xq;
-    const int* i16;
-};
 
 template <int T, int R, int C>
 static void run_block(const Input& in, int64_t c, const uint8_t* w, int64_t rb, int64_t k, const float* bias, float* y,
@@ -123,7 +132,7 @@ static void run_block(const Input& in, int64_t c, const uint8_t* w, int64_t rb, 
     const int64_t nb = k / 32;
     if constexpr (!Block<T>::FLOAT)
         if (in.xq != nullptr)
-            return iblock<T, R, C>(in.xq + c * k, in.dx + c * nb, in.xs + c * nb, w, rb, k, bias, y, ldy);
+            return iblock<T, R, C>(in.xq + c * k, in.dx + c * nb, in.xs + c * nb, in.rest, w, rb, k, bias, y, ldy);
     block<T, R, C>(in.x + c * k, in.xs + c * nb, w, rb, k, bias, y, ldy);
 }
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from engine.kernels import cpu_build, cpu_quant
-from engine.kernels.cpu_gemv import ACTS, BLOCK_ROWS, GEMMA_NORM, MAX_ROWS, Q8X, Q16X
+from engine.kernels.cpu_gemv import ACTS, BLOCK_ROWS, GEMMA_NORM, MAX_ROWS, MIXED, Q8X, Q16X
 from engine.models.widen import SLICE_BYTES  # prefill: the fp32 slice of a weight dequantized per GEMM
 
 
@@ -47,9 +47,11 @@ class QLinear(nn.Module):
     """y = x @ w.T + bias, w [n, k] in blocks. It is its own `weight` (shape, dtype), so code that passes a
     projection's weight to a GEMV passes it. `int8`: decode rounds x to int8 per 32 values for the dot products
     with quantized blocks (llama.cpp's way; the loader sets it from quantized_activations); else x stays fp32.
-    `split` (with int8): x as two int8 digits, value and remainder, about 16 bits."""
+    `split` (with int8): x as two int8 digits, value and remainder, about 16 bits; `mixed` (with int8): the second
+    digit only for the blocks of x that carry most of the first's rounding error (kernels/cpu_quant.cpp)."""
     int8 = True
     split = False
+    mixed = False
     triton = False            # forward and rows through kernels/triton_quant.py, as where the blocks are on a GPU
 
     def __init__(self, parts: list[Blocks], bias: torch.Tensor | None, kernel: cpu_quant.CpuQuant) -> None:
@@ -65,6 +67,10 @@ class QLinear(nn.Module):
         self._mat: tuple[int, cpu_quant.Mat] | None = None
 
     weight = property(lambda self: self)
+
+    def bits(self) -> int:
+        """Decode's x against these blocks as the C kernels' mode bits (cpu_math.h)."""
+        return (Q8X if self.int8 else 0) | (Q16X if self.split else 0) | (MIXED if self.mixed else 0)
     dtype = torch.float32
 
     def mat(self) -> cpu_quant.Mat:
@@ -94,8 +100,7 @@ class QLinear(nn.Module):
     def fused(self, x: torch.Tensor, bias: torch.Tensor | None = None, *, norm=None, act: str | None = None,
               residual: torch.Tensor | None = None) -> torch.Tensor:
         """As CpuGemv.fused: of norm(x) or act(gate) * up, plus residual; for a decode step's rows."""
-        mode = ACTS[act] | (GEMMA_NORM if norm is not None and norm.gemma else 0) | (Q8X if self.int8 else 0) | \
-            (Q16X if self.split else 0)
+        mode = ACTS[act] | (GEMMA_NORM if norm is not None and norm.gemma else 0) | self.bits()
         return self.kernel.fused(x.contiguous(), self.mat(), *self.shape, bias,
                                  None if norm is None else norm.weight.data_ptr(), 0.0 if norm is None else norm.eps,
                                  mode, None if residual is None else residual.contiguous())
@@ -164,15 +169,15 @@ def quantized(tensors: Iterable[tuple[str, torch.Tensor]], kind: str) -> Iterato
             yield name, tensor
 
 
-def install(model: nn.Module, name: str, parts: list[Blocks], kernel: cpu_quant.CpuQuant, acts: str = "int8") -> None:
+def install(model: nn.Module, name: str, parts: list[Blocks], kernel: cpu_quant.CpuQuant, acts: str = "mixed") -> None:
     """Put the blocks of parameter `name` (a Linear's or the Embedding's weight) in place of that module; `acts`:
-    decode's x against them (quantized_activations: int8, int16 or float32)."""
+    decode's x against them (quantized_activations: int8, mixed, int16 or float32)."""
     path, _, _ = name.rpartition(".")
     parent, _, child = path.rpartition(".")
     owner = model.get_submodule(parent) if parent else model
     old = getattr(owner, child)
     new = QLinear(parts, None if isinstance(old, nn.Embedding) else old.bias, kernel)
-    new.int8, new.split = acts != "float32", acts == "int16"
+    new.int8, new.split, new.mixed = acts != "float32", acts == "int16", acts == "mixed"
     if new.int8 and kernel is not None:
         new.pack()
     setattr(owner, child, QEmbedding(new) if isinstance(old, nn.Embedding) else new)
