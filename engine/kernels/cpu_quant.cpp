@@ -4,12 +4,13 @@
 // bf16's bytes. A projection may be several parts of different types stacked by rows (Q4_K_M keeps q and k in Q4_K
 // and v in Q6_K; qkv and gate/up are fused here).
 //
-// Two ways to multiply a quantized block (mode bit Q8X; with Q16X, x as two int8 digits, see gemv): with x in fp32 (the weights' integers widened to fp32: a
-// float matmul with the dequantized weights up to summation order), or, as llama.cpp does, with x rounded to int8
-// per 32 values (scale max|x| / 127) and integer dot products, which take a third of the instructions. The integer
-// form runs on rows packed in groups of 8 at load (cpu_packed.h), which takes a third again: decode is then bound
-// by memory, not by instructions, on the 2-core machines measured (docs/models.md). The file's layout (cpu_rows.h)
-// serves fp32 x and the rows past a part's last whole group.
+// Two ways to multiply a quantized block (mode bit Q8X; with MIXED or Q16X, a second int8 digit of x, see gemv): with
+// x in fp32 (the weights' integers widened to fp32: a float matmul with the dequantized weights up to summation
+// order), or, as llama.cpp does, with x rounded to int8 per 32 values (scale max|x| / 127) and integer dot products,
+// which take a third of the instructions. The integer form runs on rows packed in groups of 8 at load
+// (cpu_packed.h), which takes a third again: decode is then bound by memory, not by instructions, on the 2-core
+// machines measured (docs/models.md). The file's layout (cpu_rows.h) serves fp32 x and the rows past a part's last
+// whole group.
 #include <immintrin.h>
 #include <stdint.h>
 
