@@ -38,12 +38,11 @@ class EngineConfig:
     quantization: str = option("none", "torch runner on a CPU: quantize a safetensors model's linear weights at load "
                                "into GGUF's blocks (q8_0; q4_0 with the embedding and head in q8_0) and decode from "
                                "them (vLLM's name)", ("none", "q8_0", "q4_0"))
-    quantized_activations: str = option("mixed", "weights in blocks (a quantized GGUF, quantization): decode's dot "
-                                        "products with x rounded to int8 per 32 values, as llama.cpp's, and prefill "
-                                        "in bf16 where the CPU has it (int8); as int8, with a second int8 digit in "
-                                        "x's outlier blocks, whose scale is over 3x their row's median (mixed); x as "
-                                        "two int8 digits, about 16 bits, and prefill in fp32 (int16); or x in fp32, "
-                                        "slower (float32)", ("mixed", "int8", "int16", "float32"))
+    quantized_activations: str = option("mixed", "weights in blocks (a quantized GGUF, quantization): decode's x "
+                                        "rounded to int8 per 32 values as llama.cpp's, prefill in bf16 where the CPU "
+                                        "has it (int8); so, with a second int8 digit in x's outlier blocks (mixed); "
+                                        "as two int8 digits, about 16 bits, prefill in fp32 (int16); in fp32, slower "
+                                        "(float32)", ("mixed", "int8", "int16", "float32"))
     max_batch_size: int = option(4, "requests decoded together", low=1)
     kv_storage: str = option("auto", "KV layout; auto is paged iff max_batch_size > 1", ("auto", "paged", "dense"))
     block_size: int = option(32, "tokens per KV block (paged)", low=1)

@@ -250,15 +250,13 @@ static inline void group_dot(const uint8_t* p, const XBlock* x, __m256 acc[C]) {
             [[maybe_unused]] __m256 mn;
             if constexpr (P::MIN) mn = P::mins(p, u);
             for (int c = 0; c < C; c++) {
-                const int8_t* xq = x[c].q + 32 * col + 4 * g0;
-                const float d = x[c].dx[col], d2 = x[c].q2 ? x[c].dx2[col] : 0.f;
-                if (d != 0.f)
-                    acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(unit_dot<P, PER>(q, xq, x[c].i16 + 2 * col, half)),
-                                             _mm256_mul_ps(s, _mm256_set1_ps(d)), acc[c]);
-                if (d2 != 0.f)
-                    acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(unit_dot<P, PER>(q, x[c].q2 + 32 * col + 4 * g0,
-                                                                                 x[c].i16b + 2 * col, half)),
-                                             _mm256_mul_ps(s, _mm256_set1_ps(d2)), acc[c]);
+                for (int digit = 0; digit < (x[c].q2 ? 2 : 1); digit++) {
+                    const float d = (digit ? x[c].dx2 : x[c].dx)[col];
+                    if (d == 0.f) continue;
+                    const __m256i dot = unit_dot<P, PER>(q, (digit ? x[c].q2 : x[c].q) + 32 * col + 4 * g0,
+                                                         (digit ? x[c].i16b : x[c].i16) + 2 * col, half);
+                    acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s, _mm256_set1_ps(d)), acc[c]);
+                }
                 if constexpr (P::MIN) acc[c] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(x[c].xs[col]), acc[c]);
             }
         }
