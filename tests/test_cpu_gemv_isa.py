@@ -107,3 +107,12 @@ def test_the_weight_streams_are_prefetched_ahead_on_intel_cpus_only(monkeypatch)
         monkeypatch.setattr(cpu_build, "cpu_info", lambda field, v=vendor: v if field == "vendor_id" else "")
         assert cpu_build.ahead() == ahead
         assert f"-DPAGODA_AHEAD={ahead}" in cpu_build.compile_flags("avx2")      # and so in the library's key
+
+
+def test_the_vnni_gemv_pairs_groups_from_five_rows_on_a_zen_4(monkeypatch):
+    cpus = {("AuthenticAMD", "25"): 5, ("AuthenticAMD", "26"): 4, ("GenuineIntel", "6"): 4, ("", ""): 4}
+    for (vendor, family), rows in cpus.items():
+        info = {"vendor_id": vendor, "cpu family": family}
+        monkeypatch.setattr(cpu_build, "cpu_info", lambda field, i=info: i.get(field, ""))
+        assert cpu_build.pair_rows() == rows
+        assert f"-DPAGODA_PAIR_ROWS={rows}" in cpu_build.compile_flags("avx2")    # and so in the library's key

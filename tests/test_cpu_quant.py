@@ -121,6 +121,23 @@ def test_the_gemv_is_the_float_product_of_the_dequantized_blocks(kind, m, target
         assert ((got - (x.double() @ w.T + bias.double())).abs() <= 2.0 ** -14 * (x.double().abs() @ w.abs().T)).all()
 
 
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("acts", ["int8", "mixed", "int16"])
+def test_a_row_is_the_same_to_the_bit_whatever_rows_share_its_pass(kind, target, acts):
+    """Speculation's verify rows and a batch's rows take other passes than a row alone (from cpu_build.pair_rows()
+    rows, two groups a pass in 512-bit vectors where VNNI builds): each row's product must equal, to the bit, the
+    one it gets alone, or greedy tokens would depend on what else the step holds."""
+    q = QLinear([blocks(kind, 45, 512, seed=3)], None, kernel(target))
+    q.split, q.mixed = acts == "int16", acts == "mixed"
+    q.pack()
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(7))
+    x[:, 64:96] *= 8
+    alone = torch.cat([q.forward(x[i:i + 1]) for i in range(9)])
+    for m in range(2, 10):
+        assert torch.equal(q.forward(x[:m]), alone[:m]), m
+
+
 def extreme(kind: str, rows: int, k: int) -> Blocks:
     """Every weight at its type's greatest stored integer (Q8_0's +127), scales small and finite: the int8 products'
     largest partial sums, where an int16 sum that overflowed would show."""

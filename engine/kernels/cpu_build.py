@@ -59,6 +59,14 @@ def ahead() -> int:
     return 4096 if cpu_info("vendor_id") == "GenuineIntel" else 0
 
 
+def pair_rows() -> int:
+    """Input rows from which the VNNI GEMV takes two groups of weight rows a pass in 512-bit vectors (the
+    PAGODA_PAIR_ROWS macro). An AMD Zen 4 (family 25) splits a 512-bit operation into two 256-bit halves: there a
+    decode step of 4 rows ran 1.14-1.19x faster on one group in 256-bit vectors, and from 5 rows the pairs were as
+    fast or faster (docs/cpu-kernels.md)."""
+    return 5 if cpu_info("vendor_id") == "AuthenticAMD" and cpu_info("cpu family") == "25" else 4
+
+
 def vnni() -> bool:
     """Whether this CPU has AVX512-VNNI (the block kernels' int8 dot products take it in the avx512 build)."""
     return "avx512_vnni" in cpu_flags()
@@ -83,7 +91,7 @@ def extensions(target: str) -> list[str]:
 def compile_flags(target: str, exts: list[str] | None = None) -> list[str]:
     """The compiler's flags for `target` with the AVX-512 extensions `exts` (default: this CPU's)."""
     return [*FLAGS, *ISAS[target], *(f"-mavx512{ext}" for ext in (extensions(target) if exts is None else exts)),
-            f"-DPAGODA_AHEAD={ahead()}"]
+            f"-DPAGODA_AHEAD={ahead()}", f"-DPAGODA_PAIR_ROWS={pair_rows()}"]
 
 
 def build(target: str = "avx2", exts: list[str] | None = None) -> Path:

@@ -11,6 +11,10 @@ typedef uint16_t bf16;
 #ifndef PAGODA_AHEAD
 #define PAGODA_AHEAD 0
 #endif
+// Input rows from which a VNNI GEMV pass takes two groups of weight rows in 512-bit vectors (cpu_build.pair_rows)
+#ifndef PAGODA_PAIR_ROWS
+#define PAGODA_PAIR_ROWS 4
+#endif
 
 static inline float widen(float v) { return v; }
 static inline float widen(bf16 v) {

@@ -23,9 +23,9 @@
 #include "cpu_packed.h"
 #include "cpu_rows.h"
 
-// Where AVX512-VNNI multiplies 512-bit vectors, a pass of at least PAIR_ROWS input rows takes two adjacent groups at
-// once (pair_dot), where the products bound it; not a row or two, which memory bounds (docs/cpu-kernels.md)
-constexpr int PAIR_ROWS = 4;
+// Where AVX512-VNNI multiplies 512-bit vectors, a pass of at least PAGODA_PAIR_ROWS input rows takes two adjacent
+// groups at once (pair_dot), where the products bound it; not a row or two, which memory bounds (docs/cpu-kernels.md)
+constexpr int PAIR_ROWS = PAGODA_PAIR_ROWS;
 #ifdef __AVX512VNNI__
 constexpr bool WIDE = true;
 #else
