@@ -120,10 +120,13 @@ def test_kv_aware_routes_a_shared_prefix_to_the_replica_that_holds_it(tmp_path):
 def test_requests_a_saturated_replica_refuses_are_retried_on_the_other(tmp_path):
     """Replica 0 takes one request and queues one (max_queue 1): two long ones sent to it directly fill it; a burst
     through the router then finds it full, it answers 429 before any byte, and the router retries those on replica
-    1: the client sees no failure."""
+    1: the client sees no failure. Round robin picks a retry's replica as it picks any request's, so a retry can
+    land on replica 0 again; the router's default five tries left one request of twelve refused in one suite run
+    of many, so it gets twenty here, at most 100 ms apart."""
     from engine.models.presets import make_model
     model = make_model("tiny", tmp_path / "tiny")
     with Cluster(str(model), replicas=2, policy="round_robin", engine_flags=["--dtype", "float32"],
+                 router_flags=["--retry-max-retries", "20", "--retry-max-backoff-ms", "100"],
                  replica_flags={0: ["--max-batch-size", "1", "--max-queue", "1"],
                                 1: ["--max-batch-size", "4", "--max-queue", "64"]}) as c:
         full = c.workers[0]
