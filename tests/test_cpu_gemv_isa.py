@@ -102,17 +102,14 @@ def test_this_cpu_builds_with_the_extensions_it_has():
     assert cpu_build.described("avx2") == "avx2"
 
 
-def test_the_weight_streams_are_prefetched_ahead_on_intel_cpus_only(monkeypatch):
-    for vendor, ahead in {"GenuineIntel": 4096, "AuthenticAMD": 0, "": 0}.items():
-        monkeypatch.setattr(cpu_build, "cpu_info", lambda field, v=vendor: v if field == "vendor_id" else "")
-        assert cpu_build.ahead() == ahead
-        assert f"-DPAGODA_AHEAD={ahead}" in cpu_build.compile_flags("avx2")      # and so in the library's key
-
-
-def test_the_vnni_gemv_pairs_groups_from_five_rows_on_a_zen_4(monkeypatch):
-    cpus = {("AuthenticAMD", "25"): 5, ("AuthenticAMD", "26"): 4, ("GenuineIntel", "6"): 4, ("", ""): 4}
-    for (vendor, family), rows in cpus.items():
+def test_the_build_flags_follow_the_cpu(monkeypatch):
+    """Weight streams prefetched ahead on Intel CPUs only; the VNNI GEMV's 512-bit pairs from 5 rows on a Zen 4
+    (AMD family 25), from 4 elsewhere; both flags in the library's key."""
+    cpus = {("GenuineIntel", "6"): (4096, 4), ("AuthenticAMD", "25"): (0, 5), ("AuthenticAMD", "26"): (0, 4),
+            ("", ""): (0, 4)}
+    for (vendor, family), (ahead, rows) in cpus.items():
         info = {"vendor_id": vendor, "cpu family": family}
         monkeypatch.setattr(cpu_build, "cpu_info", lambda field, i=info: i.get(field, ""))
-        assert cpu_build.pair_rows() == rows
-        assert f"-DPAGODA_PAIR_ROWS={rows}" in cpu_build.compile_flags("avx2")    # and so in the library's key
+        assert cpu_build.ahead() == ahead and cpu_build.pair_rows() == rows
+        flags = cpu_build.compile_flags("avx2")
+        assert f"-DPAGODA_AHEAD={ahead}" in flags and f"-DPAGODA_PAIR_ROWS={rows}" in flags

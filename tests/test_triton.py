@@ -262,7 +262,7 @@ def test_perf_analyzer_runs(server, tmp_path):
         text = export.read_text()
         if text:
             break
-    assert text, f"perf_analyzer exited 0 but wrote an empty {export.name}:\n{(run.stdout + run.stderr)[-3000:]}"
+    assert text, f"perf_analyzer exited 0 but wrote an empty {export.name}:\n{said[-3000:]}"
     requests = json.loads(text)["experiments"][0]["requests"]
     assert requests and all(len(r["response_timestamps"]) == 8 for r in requests)
 
