@@ -39,10 +39,12 @@ class EngineConfig:
                                "into GGUF's blocks (q8_0; q4_0 with the embedding and head in q8_0) and decode from "
                                "them (vLLM's name)", ("none", "q8_0", "q4_0"))
     quantized_activations: str = option("mixed", "weights in blocks (a quantized GGUF, quantization): decode's x "
-                                        "rounded to int8 per 32 values as llama.cpp's, prefill in bf16 where the CPU "
-                                        "has it (int8); so, with a second int8 digit in x's outlier blocks (mixed); "
-                                        "as two int8 digits, about 16 bits, prefill in fp32 (int16); in fp32, slower "
-                                        "(float32)", ("mixed", "int8", "int16", "float32"))
+                                        "rounded to int8 per 32 values as llama.cpp's (int8); so, with a second int8 "
+                                        "digit in x's outlier blocks (mixed); as two int8 digits, about 16 bits "
+                                        "(int16); in fp32, slower (float32). Prefill's x: int16 where the CPU has "
+                                        "AVX512-VNNI (bf16 beside int8 and mixed where it has AMX), else bf16 where "
+                                        "it has bf16 arithmetic (int8, mixed), else fp32",
+                                        ("mixed", "int8", "int16", "float32"))
     max_batch_size: int = option(4, "requests decoded together", low=1)
     kv_storage: str = option("auto", "KV layout; auto is paged iff max_batch_size > 1", ("auto", "paged", "dense"))
     block_size: int = option(32, "tokens per KV block (paged)", low=1)

@@ -195,3 +195,72 @@ def test_a_fused_projection_of_mixed_types_with_its_norm_activation_and_residual
     bound = (2.0 ** -7 if lossy else 1e-5) * (big.abs() @ w.abs().T) + 1e-4
     assert ((q.forward(big) - big @ w.T).abs() <= bound).all()
     assert q.shape == (24, 256) and ctypes.addressof(q.mat()) == ctypes.addressof(q.mat())
+
+
+def int16(x: torch.Tensor) -> torch.Tensor:
+    """x as prefill's int16 products see it: per 32 values, round(x * 32767 / max|x|) * max|x| / 32767."""
+    blocks = x.reshape(-1, 32)
+    amax = blocks.abs().amax(1, keepdim=True)
+    q = torch.round(blocks * torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax)))
+    return (q * (amax / 32767)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("rows", [40, 88])
+@pytest.mark.parametrize("m", [33, 50])
+def test_int16_prefill_is_the_float_product_of_x_to_16_bits(kind, rows, m):
+    """Prefill (more than BLOCK_ROWS rows) through VNNI's int16 products (cpu_gemm16.h), panels of 32 weight rows
+    (40 and 88: a last panel of one group, or of three), 6 input rows at a time (33 and 50: a last tile of 3 and 2):
+    x rounded to int16 per 32 values times the dequantized blocks, within fp32 summation's bound. Without VNNI it
+    declines, and prefill dequantizes into torch's fp32 GEMM."""
+    b = blocks(kind, rows, 512, seed=4)
+    bias = torch.randn(rows)
+    q = QLinear([b], bias, kernel("avx512" if "avx512" in TARGETS else "avx2"))
+    q.split = True
+    q.pack()
+    x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+    x[:, 64:96] *= 8
+    got = q.kernel.gemm16(x, q.mat(), rows, 512, q.bias)
+    if not {"avx512_vnni"} <= cpu_build.cpu_flags() or "avx512" not in TARGETS:
+        assert got is None
+        return
+    w = dense(b).double()
+    seen = int16(x).double()
+    want = seen @ w.T + bias.double()
+    bound = 512 * 2.0 ** -24 * (seen.abs() @ w.abs().T + bias.double().abs())
+    assert ((got.double() - want).abs() <= bound).all()
+    assert torch.equal(q.forward(x), got)
+    # against x itself: within 2^-15 of the sum of |terms| (x's rounding is half of max|x| / 32767 a value)
+    exact = x.double() @ w.T + bias.double()
+    assert ((got.double() - exact).abs() <= 2.0 ** -15 * (x.double().abs() @ w.abs().T) + bound).all()
+
+
+def test_int16_prefill_declines_a_part_of_loose_rows():
+    """A part whose rows are not whole groups of 8 (the rows past the last stay in the file's layout) goes to the
+    fp32 GEMM of its dequantized blocks."""
+    q = QLinear([blocks("Q8_0", 44, 256, seed=5)], None, kernel(TARGETS[-1]))
+    q.split = True
+    q.pack()
+    x = torch.randn(40, 256)
+    assert q.kernel.gemm16(x, q.mat(), 44, 256, None) is None
+    torch.testing.assert_close(q.forward(x), x @ dense(blocks("Q8_0", 44, 256, seed=5)).T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("acts", ["int8", "mixed", "int16"])
+def test_prefill_takes_the_int16_products_where_the_cpu_has_vnni(acts):
+    """Every integer setting's prefill rows go through VNNI's int16 products where the CPU has AVX512-VNNI, except
+    int8 and mixed on a CPU with AMX (torch's bf16 GEMM on its tiles); elsewhere the dequantized slices' GEMM, in
+    bf16 beside int8 and mixed where the CPU has bf16 arithmetic, else fp32."""
+    from engine.models.quant import prefill16
+    q = QLinear([blocks("Q5_0", 64, 256, seed=6)], torch.randn(64), kernel(TARGETS[-1]))
+    q.split, q.mixed = acts == "int16", acts == "mixed"
+    q.pack()
+    x = torch.randn(48, 256)
+    flags = cpu_build.cpu_flags()
+    assert prefill16(q.split) == ("avx512_vnni" in flags and (q.split or "amx_bf16" not in flags))
+    sixteen = q.kernel.gemm16(x, q.mat(), 64, 256, q.bias)
+    if prefill16(q.split) and sixteen is not None:
+        assert torch.equal(q.forward(x), sixteen)
+    else:
+        want = q.sliced(x, prefill_dtype() if not q.split else torch.float32)
+        assert torch.equal(q.forward(x), want)

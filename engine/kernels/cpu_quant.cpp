@@ -20,6 +20,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_gemm16.h"
 #include "cpu_packed.h"
 #include "cpu_rows.h"
 
@@ -291,6 +292,31 @@ void qdequant(const Mat* w, int64_t r0, int64_t rows, int64_t k, float* out, int
 #undef DEQ
         out += take * k, rows -= take, r0 = 0;
     }
+}
+
+// Prefill's rows with x rounded to int16 per 32 values (cpu_gemm16.h): y [m, n] = x @ w^T (+ bias); 0 (nothing
+// done) where the build has no AVX512-VNNI or a part is not whole packed groups, and the caller dequantizes instead
+int qgemm16(const float* x, int64_t m, const Mat* w, const float* bias, float* y, int64_t n, int64_t k, int threads) {
+#ifdef __AVX512VNNI__
+    for (int64_t i = 0; i < w->parts; i++)
+        if (!w->part[i].packed || w->part[i].rows % G) return 0;
+    const int64_t blocks = m * (k / 32);
+    std::vector<int16_t> xq(m * k);
+    std::vector<float> dx(blocks), xs(blocks);
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t c = 0; c < m; c++) quantize16(x + c * k, k / 32, xq.data() + c * k, dx.data() + c * (k / 32), xs.data() + c * (k / 32));
+    int64_t col = 0;
+    for (int64_t i = 0; i < w->parts; i++) {
+        const Part& p = w->part[i];
+#define GEMM(T) packed_gemm16<T>(xq.data(), dx.data(), xs.data(), m, p, k, bias ? bias + col : nullptr, y + col, n, threads)
+        PACKED(p.type, GEMM)
+#undef GEMM
+        col += p.rows;
+    }
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 // Part i of w with its rows packed into dst (cpu_packed.h); dst null: the bytes it takes (0: a type not packed)

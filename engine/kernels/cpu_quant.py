@@ -30,6 +30,8 @@ class CpuQuant:
         self.dequant_fn = cpu_build.bind(lib, "qdequant", [_P, _I, _I, _I, _P, ctypes.c_int])
         self.rows_fn = cpu_build.bind(lib, "qrows", [_P, _P, _I, _I, _P])
         self.pack_fn = cpu_build.bind(lib, "qpack", [_P, _I, _I, _P], restype=_I)
+        self.gemm16_fn = cpu_build.bind(lib, "qgemm16", [_P, _I, _P, _P, _P, _I, _I, ctypes.c_int],
+                                        restype=ctypes.c_int)
 
     def fused(self, x: torch.Tensor, mat: Mat, n: int, k: int, bias: torch.Tensor | None, norm_ptr: int | None,
               eps: float, mode: int, residual: torch.Tensor | None) -> torch.Tensor:
@@ -40,6 +42,14 @@ class CpuQuant:
                       y.data_ptr(), n, k, torch.get_num_threads(), norm_ptr, eps, mode,
                       None if residual is None else residual.data_ptr())
         return y
+
+    def gemm16(self, x: torch.Tensor, mat: Mat, n: int, k: int, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """y [m, n] = x (fp32 [m, k]) times packed blocks, x rounded to int16 per 32 values (VNNI's int16 products);
+        None where the build has no AVX512-VNNI or a part is not whole packed groups."""
+        x, y = x.contiguous(), torch.empty((x.shape[0], n), dtype=torch.float32)
+        done = self.gemm16_fn(x.data_ptr(), x.shape[0], ctypes.byref(mat), None if bias is None else bias.data_ptr(),
+                              y.data_ptr(), n, k, torch.get_num_threads())
+        return y if done else None
 
     def dequant(self, mat: Mat, first: int, rows: int, k: int) -> torch.Tensor:
         out = torch.empty((rows, k), dtype=torch.float32)

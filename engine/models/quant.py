@@ -4,10 +4,12 @@ one more kind of linear layer, and an embedding that reads its rows from the sam
 A projection's weight is one uint8 parameter holding its parts' blocks one after another (a fused projection may
 stack parts of different types: Q4_K_M keeps v in Q6_K beside q and k in Q4_K), so the huge-page packing moves it
 like any other weight. Decode's few rows multiply the blocks directly (kernels/cpu_quant.cpp); prefill's many rows
-dequantize a slice of the weight at a time and multiply with torch's GEMM. Activations are fp32 between the layers.
+too where the CPU has AVX512-VNNI (int16 x, kernels/cpu_gemm16.h), else they dequantize a slice of the weight at a
+time and multiply with torch's GEMM. Activations are fp32 between the layers.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -20,9 +22,18 @@ from engine.models.widen import SLICE_BYTES  # prefill: the fp32 slice of a weig
 
 
 def prefill_dtype() -> torch.dtype:
-    """Prefill's GEMM type beside int8 activations: bf16 where the CPU multiplies it natively (AVX512-BF16, AMX),
-    about twice fp32's speed there and no lossier than decode's int8; else fp32."""
+    """Prefill's GEMM type beside int8 activations where prefill16 is not: bf16 where the CPU multiplies it
+    natively (AVX512-BF16, AMX), about twice fp32's speed there and no lossier than decode's int8; else fp32."""
     return torch.bfloat16 if cpu_build.native_bf16() else torch.float32
+
+
+@functools.cache
+def prefill16(split: bool) -> bool:
+    """Whether prefill beside integer activations (split: int16) multiplies x rounded to int16 per 32 values by the
+    blocks' integers (VNNI's int16 products, kernels/cpu_gemm16.h): where the CPU has AVX512-VNNI, as fast as
+    torch's bf16 GEMM or faster and about as exact as fp32 (docs/models.md), except beside int8 and mixed on a CPU
+    with AMX, whose bf16 tiles torch's GEMM runs on, faster still."""
+    return cpu_build.vnni() and (split or "amx_bf16" not in cpu_build.cpu_flags())
 
 
 @dataclass(slots=True)
@@ -120,7 +131,15 @@ class QLinear(nn.Module):
         if x.shape[0] <= BLOCK_ROWS:
             return self.fused(x, self.bias)
         n, k = self.shape
-        dtype = prefill_dtype() if self.int8 and not self.split else torch.float32
+        if self.int8 and self.kernel is not None and prefill16(self.split):
+            out = self.kernel.gemm16(x, self.mat(), n, k, self.bias)
+            if out is not None:
+                return out
+        return self.sliced(x, prefill_dtype() if self.int8 and not self.split else torch.float32)
+
+    def sliced(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """x @ w.T + bias through torch's GEMM in `dtype`, w dequantized a slice at a time."""
+        n, k = self.shape
         step = max(8, SLICE_BYTES // (4 * k) // 8 * 8)          # whole groups of packed rows
         out, xd = torch.empty((x.shape[0], n), dtype=torch.float32), x.to(dtype)
         for first in range(0, n, step):
