@@ -42,9 +42,9 @@ def rows(files: tuple[tuple[str, str], ...], threads: int, tokens: int, repeats:
 
 def agreement(file: Path, threads: int, prompts: int = 6, tokens: int = 32) -> dict[str, list[int]]:
     """Per prompt, how many of the first `tokens` greedy tokens equal those of transformers loading the same file
-    (dequantized, fp32): Pagoda with mixed activations (the default: int8 with a second digit in outlier blocks;
-    prefill in bf16 where the CPU has it), int8 (llama.cpp's rounding), int16 (x as two int8 digits, prefill in
-    fp32) and float32, and llama.cpp (which rounds x to 8 bits too). Printed; a quantized mode's goal is met when no
+    (dequantized, fp32): Pagoda with mixed activations (the default: int8 with a second digit in outlier blocks),
+    int8 (llama.cpp's rounding), int16 (x as two int8 digits) and float32, each with its prefill (x to int16 where
+    the CPU has AVX512-VNNI; models/quant.py), and llama.cpp (which rounds x to 8 bits too). Printed; a quantized mode's goal is met when no
     prompt agrees less than llama.cpp's."""
     from engine import LLM, SamplingParams
     from perf.gpu_correct import divergence, hf_greedy
