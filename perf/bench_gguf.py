@@ -44,8 +44,8 @@ def agreement(file: Path, threads: int, prompts: int = 6, tokens: int = 32) -> d
     """Per prompt, how many of the first `tokens` greedy tokens equal those of transformers loading the same file
     (dequantized, fp32): Pagoda with mixed activations (the default: int8 with a second digit in outlier blocks),
     int8 (llama.cpp's rounding), int16 (x as two int8 digits) and float32, each with its prefill (x to int16 where
-    the CPU has AVX512-VNNI; models/quant.py), and llama.cpp (which rounds x to 8 bits too). Printed; a quantized mode's goal is met when no
-    prompt agrees less than llama.cpp's."""
+    the CPU has AVX512-VNNI; models/quant.py), and llama.cpp (which rounds x to 8 bits too). Printed; a quantized
+    mode's goal is met when no prompt agrees less than llama.cpp's."""
     from engine import LLM, SamplingParams
     from perf.gpu_correct import divergence, hf_greedy
     ids = [prompt_ids(48, seed=500 + i) for i in range(prompts)]

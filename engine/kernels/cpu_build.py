@@ -24,7 +24,8 @@ log = logging.getLogger("pagoda")
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_pointwise.cpp", "cpu_layers.cpp", "cpu_quant.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("cpu_math.h", "cpu_blocks.h", "cpu_rows.h", "cpu_packed.h", "cpu_gemm16.h")]
+HEADERS = [Path(__file__).with_name(name)
+           for name in ("cpu_math.h", "cpu_blocks.h", "cpu_rows.h", "cpu_packed.h", "cpu_gemm16.h")]
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared"]
 ISAS = {"avx2": ["-mavx2", "-mfma", "-mf16c"],
         "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq"]}
