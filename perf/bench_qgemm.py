@@ -36,13 +36,13 @@ def timed(fn, layers: list[QLinear], xs: dict[int, torch.Tensor]) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--rows", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.model is None:
         from scripts.gemma3_270m import hf_dir
         args.model = str(next(hf_dir().parent.glob("*.gguf")))
@@ -77,6 +77,7 @@ def main() -> None:
           f"kernels {cpu_build.described()}")
     header = ["method", "ms (range)", "GMAC/s"] + (["over int16 (range)"] if "int16" in times else [])
     print(table(header, rows))
+    return times
 
 
 if __name__ == "__main__":

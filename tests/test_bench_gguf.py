@@ -74,3 +74,16 @@ def test_the_reference_keeps_llama_3s_rope_scaling_which_transformers_gguf_reade
             tmp_path, gguf_file="llama.gguf", dtype=torch.float32, vocab_size=want.shape[-1]).eval()(prompt).logits
     assert torch.allclose(got, want, atol=1e-5)
     assert not torch.allclose(dropped, want, atol=1e-3)       # what the reader alone gives
+
+
+def test_bench_qgemm_times_prefills_products_by_method(tmp_path, capsys):
+    """perf/bench_qgemm: each method's time over the file's packed projections, int16 where the build has VNNI's
+    products (and each other method against it), else only torch's two."""
+    from perf import bench_qgemm
+    file = write(cached_model("tiny"), tmp_path / "tiny-q8.gguf", "Q8_0")
+    times = bench_qgemm.main(["--model", str(file), "--rows", "40", "--repeats", "2"])
+    vnni = cpu_build.described().startswith("avx512+vnni")
+    assert list(times) == (["int16"] if vnni else []) + ["bf16", "fp32"]
+    assert all(len(t) == 2 and min(t) > 0 for t in times.values())
+    out = capsys.readouterr().out
+    assert "tiny-q8.gguf:" in out and "GMAC/s" in out and ("over int16" in out) == vnni
