@@ -44,19 +44,23 @@ def step_ms(engine: Engine, rows: int, tokens: int) -> float:
 
 @contextlib.contextmanager
 def kernels_at(commit: str):
-    """Within it, the CPU kernels build from `commit`'s sources (an engine made then keeps that library)."""
+    """Within it, the CPU kernels build from `commit`'s sources (an engine made then keeps that library); a header
+    the commit does not have yet is left out (its sources do not include it)."""
     sources, headers = cpu_build.SOURCES, cpu_build.HEADERS
     root = Path(subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True,
                                cwd=sources[0].parent).stdout.strip())
     with tempfile.TemporaryDirectory() as tmp:
-        def at(path: Path) -> Path:
+        def at(path: Path, needed: bool = True) -> Path | None:
             rel = path.relative_to(root).as_posix()
             out = Path(tmp) / rel
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_bytes(subprocess.run(["git", "show", f"{commit}:{rel}"], capture_output=True, check=True,
-                                           cwd=root).stdout)
+            shown = subprocess.run(["git", "show", f"{commit}:{rel}"], capture_output=True, check=needed, cwd=root)
+            if shown.returncode:
+                return None
+            out.write_bytes(shown.stdout)
             return out
-        cpu_build.SOURCES, cpu_build.HEADERS = [at(p) for p in sources], [at(p) for p in headers]
+        cpu_build.SOURCES = [at(p) for p in sources]
+        cpu_build.HEADERS = [h for h in (at(p, needed=False) for p in headers) if h is not None]
         try:
             yield
         finally:
