@@ -163,3 +163,23 @@ def test_every_decode_path_reads_the_groups_tables(options):
         outs = llm.generate(prompts, greedy(30))
         assert [o.token_ids for o in outs] == want, attempt
         assert all(o.cached_tokens > 0 for o in outs) == (attempt == "hit")
+
+def test_a_hit_adopts_every_groups_blocks_before_any_group_allocates():
+    """With nothing free, the full group's fresh block evicts the least recently freed cached block, which must
+    not be the sliding group's hit (found by hypothesis: it was, and both groups then wrote to it)."""
+    cache = PrefixCache(BS)
+    store = PagedKV(BlockPool(16, BS, contiguous=False, index=cache), cache, lambda src, dst: None,
+                    Layout.of([0, 32]))
+    prompt = random_ids(2 * BS + 1, seed=11)
+    for i, ids in enumerate((prompt, random_ids(2 * BS + 1, seed=12))):    # 4 cached blocks each, prompt's first
+        done = Request(i, ids, SamplingParams(max_tokens=1))
+        prefill(store, done)
+        store.release(done)
+    assert store.admit(Request(2, random_ids(4 * BS, seed=13), SamplingParams(max_tokens=1)))
+    assert store.pool.num_free == 0
+    second = Request(3, prompt, SamplingParams(max_tokens=1))
+    assert store.admit(second) and second.num_computed == 2 * BS
+    held = [b for t, lo in zip(second.tables, second.slid) for b in t[lo:]]
+    assert len(set(held)) == len(held) and all(store.pool.ref[b] == 1 for b in held)
+    store.slots(second, 2 * BS, 2 * BS + 1)
+    store.groups(second, 2 * BS, 2 * BS + 1)

@@ -70,9 +70,10 @@ class PagedKV:
             return False
         expected = cdiv(len(req.prompt_ids) + req.params.max_tokens, self.bs) - cdiv(target, self.bs)
         req.tables, req.slid = [], []
-        for w, end, (lo, found) in zip(self.layout.windows, ends, hits):
+        for _, found in hits:               # every group's hits first: a group's allocation may evict another's
             for b in found:
                 self.pool.adopt(b)
+        for w, end, (lo, found) in zip(self.layout.windows, ends, hits):
             room = max(0, expected) if not w else min(max(0, expected), cdiv(w, self.bs) + 1)
             req.tables.append([found[0] if found else 0] * lo + found +
                               self.pool.allocate_run(end - n_adopt, found[-1] if found else None, room))
