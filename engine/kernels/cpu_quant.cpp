@@ -56,11 +56,18 @@ static void group_rows(const uint8_t* w, int64_t bytes, int64_t cols, const Inpu
     for (int c = 0; c < C; c++) acc[c] = V{};
     for (int64_t b = 0; b < cols; b++) {
         const uint8_t* at = w + b * BYTES;
-        // the group's lines four blocks (or PAGODA_AHEAD) ahead; but not for a lone input row where the build has no
-        // PAGODA_AHEAD (AMD): there the hardware's prefetchers alone read a one-row step's weights faster (Llama 3.2
-        // 1B Q4_K_M, 2026-12-07: its Q6_K head 26 to 40 GB/s, its decode against llama.cpp 0.98x to 1.13x)
+        // A pair of groups of several rows: the thread's next pair's lines at this column, a pass ahead (a pair's own
+        // lines further on are mostly its second group's, read already when a row is a few blocks). Else the group's
+        // lines four blocks (or PAGODA_AHEAD) ahead; but not for a lone input row where the build has no PAGODA_AHEAD
+        // (AMD): there the hardware's prefetchers alone read a one-row step's weights faster (Llama 3.2 1B Q4_K_M,
+        // 2026-12-07: its Q6_K head 26 to 40 GB/s, its decode against llama.cpp 0.98x to 1.13x)
         constexpr int64_t AHEAD = PAGODA_AHEAD > 4 * BYTES ? PAGODA_AHEAD : 4 * BYTES;
-        if constexpr (PAGODA_AHEAD > 0 || C > 1)
+        if constexpr (PAIR && C > 1)
+            for (int line = 0; line < BYTES; line += 64) {
+                _mm_prefetch((const char*)(at + 2 * bytes + line), _MM_HINT_T0);
+                _mm_prefetch((const char*)(at + 3 * bytes + line), _MM_HINT_T0);
+            }
+        else if constexpr (PAGODA_AHEAD > 0 || C > 1)
             for (int line = 0; line < BYTES; line += 64) {
                 _mm_prefetch((const char*)(at + AHEAD + line), _MM_HINT_T0);
                 if constexpr (PAIR) _mm_prefetch((const char*)(at + bytes + AHEAD + line), _MM_HINT_T0);
