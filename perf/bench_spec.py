@@ -20,7 +20,7 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.core.engine import Engine
 from engine.core.sampling import SamplingParams
-from perf.common import ROOT, decode_rate, paired, table
+from perf.common import ROOT, cpu_model, decode_rate, paired, table
 
 CODE = (ROOT / "engine" / "core" / "ngram.py").read_text().split("\n\n\n")[1][:1400]
 PASSAGE = ("Prompt lookup decoding guesses the next tokens by matching the last few tokens of the text against the "
@@ -110,12 +110,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model = args.model or default_model()
     base = {"model": model, "num_threads": args.threads, "max_batch_size": max(args.concurrency)}
     off = Engine(EngineConfig(**base))
-    rows, out = [], []
+    rows, out, priced = [], [], []
     workloads = {k: v for k, v in WORKLOADS.items() if args.only is None or k.startswith(args.only)}
     for k in args.ks:
         spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": args.lookup[0],
                 "prompt_lookup_max": args.lookup[1]}
         on = Engine(EngineConfig(**base, speculative_config=json.dumps(spec)))
+        costs = on.spec.costs
+        priced.append(f"k={k}: {costs.row:.2f} of a one-row step a row within {costs.cheap} rows, "
+                      f"{costs.late:.2f} past them, {costs.sampled:.2f} more drawn at a temperature")
         for name, text in workloads.items():
             prompt = prompt_of(off, text)
             for c in args.concurrency:
@@ -141,7 +144,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     index_ms, step_us = lookup_cost()
     print(f"proposer on a 16,384-token prompt: {index_ms:.1f} ms to index it (once), {step_us:.1f} µs a step after")
     print(f"{Path(model).name}, {args.max_tokens} new tokens at most (greedy, EOS ends), {args.pairs} ABBA pairs, "
-          f"{args.threads} threads, prompt_lookup {args.lookup[0]}-{args.lookup[1]}")
+          f"{args.threads} threads, prompt_lookup {args.lookup[0]}-{args.lookup[1]}; {cpu_model()}")
+    print("rows as the engine priced them at load: " + "; ".join(priced))
     print(table(["workload", "k", "conc", "spec tok/s", "off tok/s", "ratio (pairs' range)", "accepted/draft",
                  "TTFT on/off ms"], rows))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -198,6 +198,7 @@ def test_bench_spec_prints_each_workload_against_speculation_off(tiny_dir, tmp_p
     assert (tmp_path / "spec.json").exists() and (tmp_path / "spec.png").stat().st_size > 0
     out = capsys.readouterr().out
     assert "proposer on a 16,384-token prompt" in out and "control (sampled free writing)" in out
+    assert "rows as the engine priced them at load: k=2: " in out
 
 
 def test_bench_rows_times_every_row_count(tiny_dir, capsys):
