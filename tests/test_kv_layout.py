@@ -164,6 +164,7 @@ def test_every_decode_path_reads_the_groups_tables(options):
         assert [o.token_ids for o in outs] == want, attempt
         assert all(o.cached_tokens > 0 for o in outs) == (attempt == "hit")
 
+
 def test_a_hit_adopts_every_groups_blocks_before_any_group_allocates():
     """With nothing free, the full group's fresh block evicts the least recently freed cached block, which must
     not be the sliding group's hit (found by hypothesis: it was, and both groups then wrote to it)."""

@@ -217,11 +217,15 @@ template <> struct Packed<Q6_K> {
     static __m256 mins(const uint8_t*, int) { return _mm256_setzero_ps(); }
 };
 
+// x's sum over a unit (its 32 values, or half `half` of them where a unit is 16) from its sums per 16
+template <typename P>
+static inline int unit_sum(const int* i16, int half) { return P::UNIT == 32 ? i16[0] + i16[1] : i16[half]; }
+
 // A unit's weights (PER groups of 4, 8 rows) times one digit of x (int8 at xq, its sums per 16 at i16) as int32 lanes;
 // two chains of dot products: vpdpbusd's latency, not its throughput, bounded a step of several input rows
 template <typename P, int PER>
 static inline __m256i unit_dot(const __m256i* q, const int8_t* xq, const int* i16, int half) {
-    __m256i a = start<P::OFF>(P::UNIT == 32 ? i16[0] + i16[1] : i16[half]), b = _mm256_setzero_si256();
+    __m256i a = start<P::OFF>(unit_sum<P>(i16, half)), b = _mm256_setzero_si256();
 #ifndef __AVX512VNNI__
     if constexpr (RUN<P::OFF> > 1) {
         for (int j = 0; j < PER; j += RUN<P::OFF>) a = dot_run<P::OFF, RUN<P::OFF>>(a, q + j, xq + 4 * j);
@@ -269,7 +273,7 @@ static inline __m512 both(__m256 a, __m256 b) { return _mm512_insertf32x8(_mm512
 // group_dot for two groups at once (p0's rows in lanes 0-7, p1's in 8-15) in 512-bit vectors: one vpdpbusd advances
 // 16 rows, twice group_dot's products an instruction, where several input rows make the step bound by them. The
 // input rows' first digits go through a unit's weights together, one chain of sums a row interleaved with the
-// others': a row at a time, its chain's latency bound the step (Gemma 3 270M's head at 8 rows, 4.4 cycles a vpdpbusd)
+// others', so no row's chain waits on its own latency
 template <int T, int C>
 static inline void pair_dot(const uint8_t* p0, const uint8_t* p1, const XBlock* x, __m512 acc[C]) {
     using P = Packed<T>;
@@ -282,8 +286,7 @@ static inline void pair_dot(const uint8_t* p0, const uint8_t* p1, const XBlock* 
             const __m512 s = both(P::scale(p0, u), P::scale(p1, u));
             __m512i a[C];
             for (int c = 0; c < C; c++) {
-                const int* i16 = x[c].i16 + 2 * col;
-                a[c] = _mm512_set1_epi32(-P::OFF * (P::UNIT == 32 ? i16[0] + i16[1] : i16[half]));
+                a[c] = _mm512_set1_epi32(-P::OFF * unit_sum<P>(x[c].i16 + 2 * col, half));
             }
             for (int j = 0; j < PER; j++)
                 for (int c = 0; c < C; c++) {
@@ -296,8 +299,7 @@ static inline void pair_dot(const uint8_t* p0, const uint8_t* p1, const XBlock* 
             for (int c = 0; c < C; c++) {          // the second digits: a few blocks of a few rows
                 if (!x[c].q2 || x[c].dx2[col] == 0.f) continue;
                 const int8_t* xq = x[c].q2 + 32 * col + 4 * g0;
-                const int* i16 = x[c].i16b + 2 * col;
-                __m512i b = _mm512_set1_epi32(-P::OFF * (P::UNIT == 32 ? i16[0] + i16[1] : i16[half]));
+                __m512i b = _mm512_set1_epi32(-P::OFF * unit_sum<P>(x[c].i16b + 2 * col, half));
                 for (int j = 0; j < PER; j++) {
                     int32_t four;
                     memcpy(&four, xq + 4 * j, 4);
