@@ -49,6 +49,11 @@ static inline float hsum(__m256 v) {
     s = _mm_hadd_ps(s, s);
     return _mm_cvtss_f32(_mm_hadd_ps(s, s));
 }
+static inline int hsum(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
 
 // e^x, 8 lanes, within 2 ulp for x in [-87, 88] (clamped there): x = n ln2 + r, e^r by Cephes' polynomial
 static inline __m256 exp8(__m256 x) {

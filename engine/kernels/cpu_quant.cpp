@@ -192,12 +192,6 @@ static int64_t pack_part(const Part& p, int64_t k, uint8_t* dst) {
 // x's 32-value blocks as int8 (xq) and scale (dx = max|x| / 127; the values rounded to nearest even), and the sums
 // (xs) of the values the products see: x's own, or with dx its rounded ones. The int8 form in vectors throughout (a
 // block's max and integer sums are exact in any order); it ran once a GEMV on one thread, with the other waiting.
-static inline int hsum_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
-}
-
 static void quantize_x(const float* x, int64_t blocks, int8_t* xq, float* dx, float* xs, int* i16) {
     const __m256 sign = _mm256_set1_ps(-0.f);
     for (int64_t i = 0; i < blocks; i++) {
@@ -223,8 +217,8 @@ static void quantize_x(const float* x, int64_t blocks, int8_t* xq, float* dx, fl
         const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(n[0], n[1]), 0xd8);
         const __m256i w16b = _mm256_permute4x64_epi64(_mm256_packs_epi32(n[2], n[3]), 0xd8);
         _mm256_storeu_si256((__m256i*)(xq + 32 * i), _mm256_permute4x64_epi64(_mm256_packs_epi16(w16, w16b), 0xd8));
-        i16[2 * i] = hsum_i32(_mm256_add_epi32(n[0], n[1]));
-        i16[2 * i + 1] = hsum_i32(_mm256_add_epi32(n[2], n[3]));
+        i16[2 * i] = hsum(_mm256_add_epi32(n[0], n[1]));
+        i16[2 * i + 1] = hsum(_mm256_add_epi32(n[2], n[3]));
         xs[i] = dx[i] * (i16[2 * i] + i16[2 * i + 1]);
     }
 }
