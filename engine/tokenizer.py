@@ -53,6 +53,14 @@ class Tokenizer:
             text = self.texts[token] = self.tok.decode([token], skip_special_tokens=False)
         return text
 
+    def blanks(self) -> dict[int, str]:
+        """The tokens of spaces and tabs alone (indentation), each as the text encodes to it (a text some other token
+        also decodes to, such as a byte-fallback token, is left out)."""
+        texts = self.tok.decode_batch([[t] for t in range(self.vocab_size)], skip_special_tokens=False)
+        found = {t: text for t, text in enumerate(texts) if text and not text.strip(" \t")}
+        del texts
+        return {t: text for t, text in found.items() if self.encode(text) == [t]}
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, **kwargs) -> str:
         """As transformers renders it: its Jinja environment (loop controls, a tojson that keeps key order and

@@ -17,7 +17,7 @@ import argparse
 
 from engine.config import EngineConfig
 from engine.core.engine import Engine
-from engine.core.ngram import Lookup, NgramConfig
+from engine.core.ngram import Blanks, Lookup, NgramConfig
 from engine.core.sampling import SamplingParams
 from engine.core.speculate import Costs, Pace
 from perf.bench_rows import step_ms
@@ -59,12 +59,13 @@ def tokens(engine: Engine, prompt: list[int], c: int, max_tokens: int) -> list[i
 
 
 def replay(prompt: list[int], out: list[int], ms: dict[int, float], c: int, k: int, policy: bool,
-           costs: Costs = Costs(4), most: int = 32) -> float:
+           costs: Costs = Costs(4), most: int = 32, blanks: Blanks | None = None) -> float:
     """Decode tok/s of the replay against c rows a one-row step each (see the module's docstring); `costs`: the
     runner's rows as the engine's draft lengths price them, `most`: the rows a step takes. The policy is the
     engine's (Speculator.drafts: skips, shadow drafts past the cheap rows, each sequence in turn its Pace.length). A
-    step drafts no further than the engine lets it: the last token is never a draft."""
-    lookups, paces, at = [Lookup(NgramConfig(k, 2, 5)) for _ in range(c)], [Pace() for _ in range(c)], [0] * c
+    step drafts no further than the engine lets it: the last token is never a draft. `blanks`: the vocabulary's
+    indentation tokens, as the engine's proposer has them (None: matched exactly)."""
+    lookups, paces, at = [Lookup(NgramConfig(k, 2, 5), blanks) for _ in range(c)], [Pace() for _ in range(c)], [0] * c
     spent = 0.0
     while live := [s for s in range(c) if at[s] < len(out)]:
         width, found = len(live), {}
@@ -105,6 +106,7 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
                     on_delta=lambda d: None)
     ms = costs(engine)
     priced = Costs(engine.runner.cheap_rows, *(engine.runner.row_costs() or ()))
+    blanks = Blanks.of(engine.tokenizer.blanks())
     rows = []
     for name, text in WORKLOADS.items():
         if name in SAMPLED:
@@ -112,8 +114,9 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
         prompt = prompt_of(engine, text)
         for c in (1, 4):
             out = tokens(engine, prompt, c, args.max_tokens)
-            rows.append([name, c, len(out), f"{replay(prompt, out, ms, c, args.k, True, priced, max(ROWS)):.2f}",
-                         f"{replay(prompt, out, ms, c, args.k, False, most=max(ROWS)):.2f}"])
+            policy = replay(prompt, out, ms, c, args.k, True, priced, max(ROWS), blanks)
+            bound = replay(prompt, out, ms, c, args.k, False, most=max(ROWS), blanks=blanks)
+            rows.append([name, c, len(out), f"{policy:.2f}", f"{bound:.2f}"])
     print(f"{model}: {args.threads} threads, {cpu_model()}; k={args.k}, prompt_lookup 2-5; a step's ms by rows: "
           + ", ".join(f"{r}: {t:.1f}" for r, t in ms.items()))
     print(table(["workload", "conc", "tokens", "policy (x spec off)", "bound (x spec off)"], rows))

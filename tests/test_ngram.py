@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from engine.core.ngram import Lookup, NgramConfig
+from engine.core.ngram import Blanks, Lookup, NgramConfig
 from engine.core.request import Request
 from engine.core.sampling import SamplingParams
 from engine.core.speculate import MAX_SKIP, Costs, Pace, Speculator
@@ -42,6 +42,53 @@ def test_a_copied_passage_is_proposed_and_nothing_without_a_match():
     assert Lookup(NgramConfig(5, 2, 3)).propose(list(range(50)), [], 5) == []
     assert Lookup(NgramConfig(5, 1, 2)).propose([3, 7, 7, 7], [], 4) == [7, 7, 7, 7]    # a run goes on
     assert Lookup(NgramConfig(5, 2, 2)).propose([1, 2, 3, 1, 2], [], 5) == [3, 1, 2, 3, 1]     # with its period
+
+
+def loose_brute(ids: list[int], low: int, high: int, k: int, blank: set[int]) -> list[int]:
+    """The definition with blanks: the longest n whose last-n tokens occur earlier, exactly or else with any blank
+    for any other; at that n an exact occurrence before a loose one, the latest of either."""
+    def norm(seq):
+        return [-1 if t in blank else t for t in seq]
+    for n in range(min(high, len(ids) - 1), low - 1, -1):
+        suffix = ids[-n:]
+        for same in (lambda a: a == suffix, lambda a: norm(a) == norm(suffix)):
+            for end in range(len(ids) - 2, n - 2, -1):
+                if same(ids[end + 1 - n:end + 1]):
+                    seq = list(ids)
+                    for i in range(k):
+                        seq.append(seq[end + 1 + i])
+                    return seq[end + 1:end + 1 + k]
+    return []
+
+
+def test_blanks_match_any_blank_as_the_definition_says():
+    rng = random.Random(1)
+    blanks = Blanks.of({4: "\t", 5: "\t\t"})           # tabs: matched loosely, never re-indented
+    for low, high in ((1, 1), (2, 4), (3, 5)):
+        prompt = [rng.randrange(6) for _ in range(60)]
+        lookup, output = Lookup(NgramConfig(4, low, high), blanks), []
+        for _ in range(80):
+            assert lookup.propose(prompt, output, 4) == loose_brute(prompt + output, low, high, 4, {4, 5})
+            output += [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+
+
+def test_code_re_indented_is_proposed_with_the_output_indentation():
+    """A method lifted out of its class: the prompt's lines at 8 and 12 columns come out at 4 and 8. Exactly,
+    nothing past a line's indentation matches; loosely, the line goes on, and its next lines' indentation is the
+    prompt's moved by the 4 columns the output has moved it."""
+    nl, s4, s8, s12 = 9, 1, 2, 3
+    blanks = Blanks.of({s4: "    ", s8: "        ", s12: " " * 12})
+    prompt = [50, 51, nl, s8, 60, 61, 62, nl, s12, 70, 71, nl, s8, 80, 81, nl]
+    output = [60, 61, 62, nl, s8, 70]                  # the output's first line was at 4 columns, this one at 8
+    assert Lookup(NgramConfig(6, 2, 3)).propose(prompt, output, 6) == []
+    lookup = Lookup(NgramConfig(6, 2, 3), blanks)
+    assert lookup.propose(prompt, output, 6) == [71, nl, s4, 80, 81, nl]
+    assert lookup.shift == -4
+    assert lookup.propose(prompt, output + [71, nl, s4, 80], 2) == [81, nl]     # exact again, still shifted
+    again = output + [71, nl, s4, 80, 81, nl, s8, 90, 91, nl, s8, 92, nl, s8, 90]   # its own text: taken as it is
+    assert lookup.propose(prompt, again, 3) == [91, nl, s8] and lookup.shift == -4
+    level = Lookup(NgramConfig(4, 2, 3), blanks)        # indented as the prompt: nothing moves
+    assert level.propose(prompt, [nl, s12, 70], 4) == [71, nl, s8, 80] and level.shift == 0
 
 
 @pytest.mark.parametrize("value,config", [

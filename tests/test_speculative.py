@@ -69,6 +69,12 @@ def test_greedy_tokens_equal_speculation_off(engines, feature):
         assert accepted(on) > before                    # drafts were verified and taken, not only proposed
 
 
+def test_the_proposer_matches_the_tokenizer_blanks_loosely(engines):
+    _, on = engines
+    blanks = on.engine.spec.blanks
+    assert blanks is not None and blanks.widths.keys() == on.engine.tokenizer.blanks().keys() != set()
+
+
 def test_a_draft_row_is_masked_as_if_the_drafts_before_it_were_output(tiny_dir):
     """A verify row past drafts d[:j] gets the mask of a matcher that took d[:j]; the sequence's matcher is left at
     its committed tokens; a draft is cut where the grammar refuses it."""

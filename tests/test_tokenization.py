@@ -67,3 +67,15 @@ def test_openai_server_adds_bos_to_completions_and_not_after_the_chat_template(t
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_blanks_are_the_indentation_tokens_code_encodes_to(preset_dir):
+    """The speculative proposer's blanks (tokens of spaces and tabs alone): each is the token its text encodes to,
+    and code's indentation, as each family's tokenizer splits it, is among them."""
+    _, path = preset_dir
+    tok = Tokenizer(path)
+    blanks = tok.blanks()
+    assert blanks and all(not text.strip(" \t") and tok.encode(text) == [t] for t, text in blanks.items())
+    code = tok.encode("def f():\n    if x:\n        return 1\n\tpass\n            y = 2")
+    indents = [t for t in code if tok.token_text(t) and not tok.token_text(t).strip(" \t")]
+    assert indents and all(t in blanks for t in indents)

@@ -10,7 +10,7 @@ from engine.config import EngineConfig
 from engine.core.admission import Admission
 from engine.core.intake import Intake
 from engine.core.lookahead import Lookahead, Result
-from engine.core.ngram import NgramConfig
+from engine.core.ngram import Blanks, NgramConfig
 from engine.core.output import Delta, Output
 from engine.core.recorder import Recorder
 from engine.core.request import Request, Status
@@ -56,7 +56,8 @@ class Engine:
         self.lookahead = Lookahead(runner, config.use_lookahead)
         ngram = NgramConfig.parse(config.speculative_config)
         self.spec = Speculator(ngram, runner.step_rows, Costs(runner.cheap_rows, *(runner.row_costs() or ())),
-                               runner.overlaps and config.use_lookahead) if ngram else None
+                               runner.overlaps and config.use_lookahead,
+                               Blanks.of(self.tokenizer.blanks())) if ngram else None
         if ngram:
             self.metrics.spec_positions(ngram.k)
         self.on_delta = on_delta

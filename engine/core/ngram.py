@@ -4,9 +4,14 @@ output and proposing what followed them there.
 
 The proposer keeps, per sequence, the last position at which each n-gram (n in [min, max]) ended, and adds the
 n-grams of each new token as it comes: a step costs a few dict operations whatever the prompt's length (a 16k-token
-prompt is indexed once, as its first proposal is asked for)."""
+prompt is indexed once, as its first proposal is asked for).
+
+Given the vocabulary's indentation tokens (`Blanks`), it also finds a suffix whose indentation differs from the
+prompt's (code re-indented as it is rewritten: a method lifted out of its class), and indents what it proposes
+from the prompt by as many columns as the output's lines have moved."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,18 +51,44 @@ class NgramConfig:
         return NgramConfig(k, low, high)
 
 
+@dataclass(slots=True, frozen=True)
+class Blanks:
+    """The vocabulary's tokens of spaces and tabs alone: a match takes any of them for any other."""
+    widths: dict[int, int]      # token -> its columns where it is spaces alone, else 0 (a tab)
+    spaces: dict[int, int]      # columns -> the token of that many spaces
+
+    @staticmethod
+    def of(texts: Mapping[int, str]) -> Blanks:
+        """From the tokens' texts (Tokenizer.blanks)."""
+        widths = {t: 0 if "\t" in text else len(text) for t, text in texts.items()}
+        return Blanks(widths, {w: t for t, w in widths.items() if w})
+
+    def loose(self, gram: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(-1 if t in self.widths else t for t in gram)
+
+    def shifted(self, token: int, shift: int) -> int:
+        """The token of spaces `shift` columns wider (narrower) than `token`, where both are spaces alone."""
+        width = self.widths.get(token, 0)
+        return self.spaces.get(width + shift, token) if width and shift else token
+
+
 @dataclass(slots=True)
 class Lookup:
     """One sequence's n-gram index."""
     config: NgramConfig
+    blanks: Blanks | None = None
     last: dict[tuple[int, ...], int] = field(default_factory=dict)    # n-gram -> the position it last ended at
+    loose: dict[tuple[int, ...], int] = field(default_factory=dict)   # the same for n-grams with a blank, as -1
     indexed: int = 0           # n-grams ending before this position are in `last`
+    shift: int = 0             # columns the output's lines are indented past the prompt's (at the latest match)
 
     def propose(self, prompt: list[int], output: list[int], k: int, ahead: list[int] | None = None) -> list[int]:
         """k tokens that followed the longest earlier occurrence (the latest one) of the sequence's last n tokens (the
         sequence: prompt + output, read in place, then `ahead`: tokens assumed to come, not indexed), or none. An
         occurrence that runs into the sequence's end repeats what followed it with its period (LZ77's overlapping
-        copy): [7, 7, 7] proposes [7] * k, where vLLM's lookup proposes the one 7 that followed."""
+        copy): [7, 7, 7] proposes [7] * k, where vLLM's lookup proposes the one 7 that followed. With blanks, an
+        n-gram that matches only with its indentation taken loosely counts as of its length, after one that
+        matches exactly."""
         settled = len(prompt) + len(output)
         if ahead:
             output = output + ahead
@@ -70,19 +101,44 @@ class Lookup:
                 return tuple(output[lo - len(prompt):hi - len(prompt)])
             return tuple(prompt[lo:]) + tuple(output[:hi - len(prompt)])
 
-        low, high = self.config.low, self.config.high
+        low, high, blanks = self.config.low, self.config.high, self.blanks
         for end in range(self.indexed, settled - 1):    # all but the n-grams ending at the last token: the suffix
-            for n in range(low, min(high, end + 1) + 1):
-                self.last[span(end + 1 - n, end + 1)] = end
+            top = min(high, end + 1)
+            gram = span(end + 1 - top, end + 1)
+            blank = blanks is not None and not blanks.widths.keys().isdisjoint(gram)
+            for n in range(low, top + 1):
+                self.last[gram[top - n:]] = end
+                if blank:
+                    self.loose[blanks.loose(gram[top - n:])] = end
         self.indexed = max(self.indexed, settled - 1)
         if k <= 0:
             return []
-        for n in range(min(high, size - 1), low - 1, -1):
-            end = self.last.get(span(size - n, size))
+        top = min(high, size - 1)
+        suffix = span(size - top, size) if top >= low else ()
+        blank = blanks is not None and not blanks.widths.keys().isdisjoint(suffix)
+        for n in range(top, low - 1, -1):
+            gram = suffix[top - n:]
+            end = self.last.get(gram)
+            if blank and not blanks.widths.keys().isdisjoint(gram):
+                if end is None:
+                    end = self.loose.get(blanks.loose(gram))
+                if end is not None:
+                    self._align(span(end + 1 - n, end + 1), gram, len(prompt) - (end + 1 - n))
             if end is not None:        # what followed; where that reaches the present, it repeats with its period
                 out = list(span(end + 1, min(end + 1 + k, size)))
+                if self.shift:
+                    out = [blanks.shifted(t, self.shift) if end + 1 + i < len(prompt) else t
+                           for i, t in enumerate(out)]
                 period = size - end - 1
                 while len(out) < k:
                     out.append(out[len(out) - period])
                 return out
         return []
+
+    def _align(self, source: tuple[int, ...], gram: tuple[int, ...], in_prompt: int) -> None:
+        """Learn how far the output's indentation has moved from the prompt's: the last pair of space tokens a
+        match lines up (`in_prompt`: how many of the source's tokens are the prompt's)."""
+        widths = self.blanks.widths
+        for a, b in zip(source[:max(in_prompt, 0)], gram):
+            if widths.get(a) and widths.get(b):
+                self.shift = widths[b] - widths[a]

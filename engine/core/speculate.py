@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from engine.core.lookahead import Span
-from engine.core.ngram import Lookup, NgramConfig
+from engine.core.ngram import Blanks, Lookup, NgramConfig
 from engine.core.request import Request
 from engine.runners.base import Row
 
@@ -98,11 +98,12 @@ class Pace:
 
 
 class Speculator:
-    def __init__(self, config: NgramConfig, rows: int, costs: Costs, chain: bool = False) -> None:
+    def __init__(self, config: NgramConfig, rows: int, costs: Costs, chain: bool = False,
+                 blanks: Blanks | None = None) -> None:
         """`rows`: the most rows a step of the runner takes in one pass; `costs`: what its rows cost; `chain`:
         launch verify steps from the step in flight (a runner whose steps run while the host works, with lookahead
-        on)."""
-        self.config, self.rows, self.costs, self.chain = config, rows, costs, chain
+        on); `blanks`: the vocabulary's indentation tokens, for the proposer."""
+        self.config, self.rows, self.costs, self.chain, self.blanks = config, rows, costs, chain, blanks
         self.lookups: dict[int, Lookup] = {}
         self.paces: dict[int, Pace] = {}
         self.shadows: dict[int, tuple[int, int]] = {}      # request id: (position, the token proposed there)
@@ -219,7 +220,7 @@ class Speculator:
     def _lookup(self, req: Request) -> Lookup:
         lookup = self.lookups.get(req.id)
         if lookup is None:
-            lookup = self.lookups[req.id] = Lookup(self.config)
+            lookup = self.lookups[req.id] = Lookup(self.config, self.blanks)
         return lookup
 
     def ready(self, batch: list[Request]) -> list[Request]:
