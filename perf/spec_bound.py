@@ -8,7 +8,8 @@ requests, as bench_spec sends them):
 - bound: each step drafting exactly the proposal's tokens that will be taken, no more (no draft policy does
   better with this proposer and these step costs).
 
-Both are decode tok/s against one token a one-row step (c rows a step at concurrency c).
+Both are decode tok/s against one token a one-row step (c rows a step at concurrency c), with the engine's
+proposer (indentation matched loosely) and, in the last two columns, with exact matching alone (vLLM's lookup).
 
     python -m perf.spec_bound [--model FILE|DIR] [--k 8] [--max-tokens 160] [--threads 2]"""
 from __future__ import annotations
@@ -114,12 +115,13 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
         prompt = prompt_of(engine, text)
         for c in (1, 4):
             out = tokens(engine, prompt, c, args.max_tokens)
-            policy = replay(prompt, out, ms, c, args.k, True, priced, max(ROWS), blanks)
-            bound = replay(prompt, out, ms, c, args.k, False, most=max(ROWS), blanks=blanks)
-            rows.append([name, c, len(out), f"{policy:.2f}", f"{bound:.2f}"])
+            rows.append([name, c, len(out)] + [
+                f"{replay(prompt, out, ms, c, args.k, policy, priced, max(ROWS), found):.2f}"
+                for found in (blanks, None) for policy in (True, False)])
     print(f"{model}: {args.threads} threads, {cpu_model()}; k={args.k}, prompt_lookup 2-5; a step's ms by rows: "
           + ", ".join(f"{r}: {t:.1f}" for r, t in ms.items()))
-    print(table(["workload", "conc", "tokens", "policy (x spec off)", "bound (x spec off)"], rows))
+    print(table(["workload", "conc", "tokens", "policy (x spec off)", "bound (x spec off)", "policy, exact",
+                 "bound, exact"], rows))
     return rows
 
 

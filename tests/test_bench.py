@@ -243,10 +243,21 @@ def test_spec_bound_replays_the_proposals_against_the_step_costs():
     assert replay(prompt, out, rows, 4, 4, True) <= 1.0 and replay(prompt, out, flat, 4, 4, True, most=4) == 1.0
 
 
+def test_spec_bound_replays_re_indented_code_with_the_engine_proposer():
+    from engine.core.ngram import Blanks
+    from perf.spec_bound import replay
+    nl, s4, s8 = 9, 1, 2
+    prompt = [50, nl, s8, 60, 61, nl, s8, 62, 63, nl, s8, 64, 65, nl]
+    out = [nl, s4, 60, 61, nl, s4, 62, 63, nl, s4, 64, 65, nl]        # the prompt's lines 4 columns to the left
+    flat, blanks = {1: 1.0, 32: 1.0}, Blanks.of({s4: "    ", s8: "        "})
+    exact, loose = replay(prompt, out, flat, 1, 8, False), replay(prompt, out, flat, 1, 8, False, blanks=blanks)
+    assert loose > exact
+
+
 def test_spec_bound_prints_policy_and_bound_per_workload(tiny_dir, capsys):
     from perf import bench_spec, spec_bound
     rows = spec_bound.main(["--model", tiny_dir, "--max-tokens", "8", "--k", "2"])
     assert [(r[0], r[1]) for r in rows] == [(w, c) for w in bench_spec.WORKLOADS if w not in bench_spec.SAMPLED
                                             for c in (1, 4)]
-    assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows)   # the policy at every concurrency, and its bound
+    assert all(float(x) > 0 for r in rows for x in r[3:7])   # the policy and its bound, loose matching and exact
     assert "a step's ms by rows: 1: " in capsys.readouterr().out
