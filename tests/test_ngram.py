@@ -11,17 +11,21 @@ from engine.core.sampling import SamplingParams
 from engine.core.speculate import MAX_SKIP, Costs, Pace, Speculator
 
 
-def brute(ids: list[int], low: int, high: int, k: int) -> list[int]:
-    """The definition: the longest n in [low, high] whose last-n tokens occur earlier; what followed their latest
-    occurrence, read on past the sequence's end as the sequence repeating from there."""
+def brute(ids: list[int], low: int, high: int, k: int, blank: frozenset[int] = frozenset()) -> list[int]:
+    """The definition: the longest n in [low, high] whose last-n tokens occur earlier (exactly, or else with any
+    `blank` for any other: an exact occurrence first at a length); what followed their latest occurrence, read on
+    past the sequence's end as the sequence repeating from there."""
+    def norm(seq):
+        return [-1 if t in blank else t for t in seq]
     for n in range(min(high, len(ids) - 1), low - 1, -1):
         suffix = ids[-n:]
-        for end in range(len(ids) - 2, n - 2, -1):
-            if ids[end + 1 - n:end + 1] == suffix:
-                seq = list(ids)
-                for i in range(k):
-                    seq.append(seq[end + 1 + i])
-                return seq[end + 1:end + 1 + k]
+        for same in (lambda a: a == suffix, lambda a: norm(a) == norm(suffix)):
+            for end in range(len(ids) - 2, n - 2, -1):
+                if same(ids[end + 1 - n:end + 1]):
+                    seq = list(ids)
+                    for i in range(k):
+                        seq.append(seq[end + 1 + i])
+                    return seq[end + 1:end + 1 + k]
     return []
 
 
@@ -44,23 +48,6 @@ def test_a_copied_passage_is_proposed_and_nothing_without_a_match():
     assert Lookup(NgramConfig(5, 2, 2)).propose([1, 2, 3, 1, 2], [], 5) == [3, 1, 2, 3, 1]     # with its period
 
 
-def loose_brute(ids: list[int], low: int, high: int, k: int, blank: set[int]) -> list[int]:
-    """The definition with blanks: the longest n whose last-n tokens occur earlier, exactly or else with any blank
-    for any other; at that n an exact occurrence before a loose one, the latest of either."""
-    def norm(seq):
-        return [-1 if t in blank else t for t in seq]
-    for n in range(min(high, len(ids) - 1), low - 1, -1):
-        suffix = ids[-n:]
-        for same in (lambda a: a == suffix, lambda a: norm(a) == norm(suffix)):
-            for end in range(len(ids) - 2, n - 2, -1):
-                if same(ids[end + 1 - n:end + 1]):
-                    seq = list(ids)
-                    for i in range(k):
-                        seq.append(seq[end + 1 + i])
-                    return seq[end + 1:end + 1 + k]
-    return []
-
-
 def test_blanks_match_any_blank_as_the_definition_says():
     rng = random.Random(1)
     blanks = Blanks.of({4: "\t", 5: "\t\t"})           # tabs: matched loosely, never re-indented
@@ -68,7 +55,7 @@ def test_blanks_match_any_blank_as_the_definition_says():
         prompt = [rng.randrange(6) for _ in range(60)]
         lookup, output = Lookup(NgramConfig(4, low, high), blanks), []
         for _ in range(80):
-            assert lookup.propose(prompt, output, 4) == loose_brute(prompt + output, low, high, 4, {4, 5})
+            assert lookup.propose(prompt, output, 4) == brute(prompt + output, low, high, 4, frozenset({4, 5}))
             output += [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
 
 
