@@ -105,10 +105,12 @@ class Lookup:
         for end in range(self.indexed, settled - 1):    # all but the n-grams ending at the last token: the suffix
             top = min(high, end + 1)
             gram = span(end + 1 - top, end + 1)
-            blank = blanks is not None and not blanks.widths.keys().isdisjoint(gram)
+            # the shortest n whose n-gram holds a blank (none: past top)
+            reach = top + 1 if blanks is None or blanks.widths.keys().isdisjoint(gram) else \
+                top - max(i for i, t in enumerate(gram) if t in blanks.widths)
             for n in range(low, top + 1):
                 self.last[gram[top - n:]] = end
-                if blank:
+                if n >= reach:
                     self.loose[blanks.loose(gram[top - n:])] = end
         self.indexed = max(self.indexed, settled - 1)
         if k <= 0:
