@@ -53,13 +53,13 @@ class Tokenizer:
             text = self.texts[token] = self.tok.decode([token], skip_special_tokens=False)
         return text
 
-    def blanks(self) -> dict[int, str]:
+    def layout(self) -> tuple[dict[int, str], frozenset[int]]:
         """The tokens of spaces and tabs alone (indentation), each as the text encodes to it (a text some other token
-        also decodes to, such as a byte-fallback token, is left out)."""
+        also decodes to, such as a byte-fallback token, is left out), and the tokens that end a line."""
         texts = self.tok.decode_batch([[t] for t in range(self.vocab_size)], skip_special_tokens=False)
-        found = {t: text for t, text in enumerate(texts) if text and not text.strip(" \t")}
-        del texts
-        return {t: text for t, text in found.items() if self.encode(text) == [t]}
+        blanks = {t: text for t, text in enumerate(texts) if text and not text.strip(" \t")}
+        breaks = frozenset(t for t, text in enumerate(texts) if text.endswith("\n"))
+        return {t: text for t, text in blanks.items() if self.encode(text) == [t]}, breaks
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, **kwargs) -> str:

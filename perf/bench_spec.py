@@ -86,7 +86,7 @@ def lookup_cost(tokenizer, prompt_tokens: int = 16384, steps: int = 2000) -> tup
     rng = random.Random(0)
     code = "\n\n".join(path.read_text() for path in sorted((ROOT / "engine").rglob("*.py")))
     prompt, output = tokenizer.encode(code)[:prompt_tokens], []
-    lookup = Lookup(NgramConfig(4, 2, 5), Blanks.of(tokenizer.blanks()))
+    lookup = Lookup(NgramConfig(4, 2, 5), Blanks.of(*tokenizer.layout()))
     start = time.perf_counter()
     lookup.propose(prompt, output, 4)
     first = time.perf_counter() - start

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
                     on_delta=lambda d: None)
     ms = costs(engine)
     priced = Costs(engine.runner.cheap_rows, *(engine.runner.row_costs() or ()))
-    blanks = Blanks.of(engine.tokenizer.blanks())
+    blanks = Blanks.of(*engine.tokenizer.layout())
     rows = []
     for name, text in WORKLOADS.items():
         if name in SAMPLED:

@@ -62,9 +62,10 @@ def test_blanks_match_any_blank_as_the_definition_says():
 def test_code_re_indented_is_proposed_with_the_output_indentation():
     """A method lifted out of its class: the prompt's lines at 8 and 12 columns come out at 4 and 8. Exactly,
     nothing past a line's indentation matches; loosely, the line goes on, and its next lines' indentation is the
-    prompt's moved by the 4 columns the output has moved it."""
-    nl, s4, s8, s12 = 9, 1, 2, 3
-    blanks = Blanks.of({s4: "    ", s8: "        ", s12: " " * 12})
+    prompt's moved by the 4 columns the output has moved it (a space inside a line stays; a line at 4 columns goes
+    to the margin, without a blank)."""
+    nl, sp, s4, s5, s8, s12 = 9, 5, 1, 6, 2, 3
+    blanks = Blanks.of({sp: " ", s4: "    ", s5: " " * 5, s8: "        ", s12: " " * 12}, frozenset({nl}))
     prompt = [50, 51, nl, s8, 60, 61, 62, nl, s12, 70, 71, nl, s8, 80, 81, nl]
     output = [60, 61, 62, nl, s8, 70]                  # the output's first line was at 4 columns, this one at 8
     assert Lookup(NgramConfig(6, 2, 3)).propose(prompt, output, 6) == []
@@ -76,6 +77,12 @@ def test_code_re_indented_is_proposed_with_the_output_indentation():
     assert lookup.propose(prompt, again, 3) == [91, nl, s8] and lookup.shift == -4
     level = Lookup(NgramConfig(4, 2, 3), blanks)        # indented as the prompt: nothing moves
     assert level.propose(prompt, [nl, s12, 70], 4) == [71, nl, s8, 80] and level.shift == 0
+    inner = [40, nl, s4, 41, 42, sp, 43, nl, s8, 44, nl, s4, 45, sp, 46, nl]
+    deeper = Lookup(NgramConfig(8, 2, 3), blanks)       # moved in by 4: a space inside a line is no indentation
+    assert deeper.propose(inner, [41, 42, sp, 43, nl, s12, 44], 8) == [nl, s8, 45, sp, 46, nl, 41, 42]
+    assert deeper.shift == 4
+    shallow = Lookup(NgramConfig(5, 2, 3), blanks)      # moved out by 4: the line at 4 columns loses its blank
+    assert shallow.propose(inner, [41, 42, sp, 43, nl, s4, 44], 5) == [nl, 45, sp, 46]
 
 
 @pytest.mark.parametrize("value,config", [

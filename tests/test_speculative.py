@@ -72,7 +72,23 @@ def test_greedy_tokens_equal_speculation_off(engines, feature):
 def test_the_proposer_matches_the_tokenizer_blanks_loosely(engines):
     _, on = engines
     blanks = on.engine.spec.blanks
-    assert blanks is not None and blanks.widths.keys() == on.engine.tokenizer.blanks().keys() != set()
+    assert blanks is not None and blanks.widths.keys() == on.engine.tokenizer.layout()[0].keys() != set()
+
+
+def test_blanks_are_drafted_loosely_and_decode_as_without(tiny_dir, monkeypatch):
+    """Lines indented by spaces and by tabs, the output held to those tokens: the proposer matches a tab for a space
+    (Lookup._align runs on such matches) and greedy output stays what it is without speculation."""
+    from engine.core.ngram import Lookup
+    aligned = []
+    align = Lookup._align
+    monkeypatch.setattr(Lookup, "_align", lambda self, *a: aligned.append(a) or align(self, *a))
+    off, on = pair(tiny_dir)
+    tok = on.engine.tokenizer
+    allowed = sorted({tok.encode(c)[0] for c in (" ", "\t", "\n", "x")})
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, allowed_token_ids=allowed)
+    prompt = "x\n x\n\tx\n  x\n \tx\n" * 3
+    assert [o.token_ids for o in on.generate(prompt, params)] == [o.token_ids for o in off.generate(prompt, params)]
+    assert aligned
 
 
 def test_a_draft_row_is_masked_as_if_the_drafts_before_it_were_output(tiny_dir):

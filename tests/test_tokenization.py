@@ -70,12 +70,16 @@ def test_openai_server_adds_bos_to_completions_and_not_after_the_chat_template(t
 
 
 def test_blanks_are_the_indentation_tokens_code_encodes_to(preset_dir):
-    """The speculative proposer's blanks (tokens of spaces and tabs alone): each is the token its text encodes to,
-    and code's indentation, as each family's tokenizer splits it, is among them."""
+    """The speculative proposer's layout of the vocabulary: blanks (tokens of spaces and tabs alone), each the token
+    its text encodes to, with code's indentation, as each family's tokenizer splits it, among them; and the tokens
+    that end a line, each one before an indentation among them."""
     _, path = preset_dir
     tok = Tokenizer(path)
-    blanks = tok.blanks()
+    blanks, breaks = tok.layout()
     assert blanks and all(not text.strip(" \t") and tok.encode(text) == [t] for t, text in blanks.items())
     code = tok.encode("def f():\n    if x:\n        return 1\n\tpass\n            y = 2")
-    indents = [t for t in code if tok.token_text(t) and not tok.token_text(t).strip(" \t")]
-    assert indents and all(t in blanks for t in indents)
+    indents = [i for i, t in enumerate(code) if tok.token_text(t) and not tok.token_text(t).strip(" \t")]
+    assert indents and all(code[i] in blanks for i in indents)
+    assert all(code[i - 1] in breaks for i in indents if tok.token_text(code[i - 1]).endswith("\n"))
+    assert sum(code[i - 1] in breaks for i in indents) >= 3      # three of the five lines are indented by a blank
+    assert not breaks & set(blanks) and all(tok.token_text(t).endswith("\n") for t in list(breaks)[:50])

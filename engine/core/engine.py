@@ -57,7 +57,7 @@ class Engine:
         ngram = NgramConfig.parse(config.speculative_config)
         self.spec = Speculator(ngram, runner.step_rows, Costs(runner.cheap_rows, *(runner.row_costs() or ())),
                                runner.overlaps and config.use_lookahead,
-                               Blanks.of(self.tokenizer.blanks())) if ngram else None
+                               Blanks.of(*self.tokenizer.layout())) if ngram else None
         if ngram:
             self.metrics.spec_positions(ngram.k)
         self.on_delta = on_delta

@@ -53,23 +53,29 @@ class NgramConfig:
 
 @dataclass(slots=True, frozen=True)
 class Blanks:
-    """The vocabulary's tokens of spaces and tabs alone: a match takes any of them for any other."""
+    """The vocabulary's tokens of spaces and tabs alone: a match takes any of them for any other. One that follows a
+    line's end (a token of `breaks`) is a line's indentation."""
     widths: dict[int, int]      # token -> its columns where it is spaces alone, else 0 (a tab)
     spaces: dict[int, int]      # columns -> the token of that many spaces
+    breaks: frozenset[int]      # the tokens whose text ends a line
 
     @staticmethod
-    def of(texts: Mapping[int, str]) -> Blanks:
-        """From the tokens' texts (Tokenizer.blanks)."""
+    def of(texts: Mapping[int, str], breaks: frozenset[int] = frozenset()) -> Blanks:
+        """From the tokens' texts and the line ends (Tokenizer.layout)."""
         widths = {t: 0 if "\t" in text else len(text) for t, text in texts.items()}
-        return Blanks(widths, {w: t for t, w in widths.items() if w})
+        return Blanks(widths, {w: t for t, w in widths.items() if w}, breaks)
 
     def loose(self, gram: tuple[int, ...]) -> tuple[int, ...]:
+        """The n-gram with each blank as -1 (no token's id)."""
         return tuple(-1 if t in self.widths else t for t in gram)
 
-    def shifted(self, token: int, shift: int) -> int:
-        """The token of spaces `shift` columns wider (narrower) than `token`, where both are spaces alone."""
+    def shifted(self, token: int, shift: int) -> int | None:
+        """The token of spaces `shift` columns wider (narrower) than `token`, where both are spaces alone; None
+        where that is no columns (a line moved to the margin)."""
         width = self.widths.get(token, 0)
-        return self.spaces.get(width + shift, token) if width and shift else token
+        if not width or not shift:
+            return token
+        return None if width + shift == 0 else self.spaces.get(width + shift, token)
 
 
 @dataclass(slots=True)
@@ -79,16 +85,18 @@ class Lookup:
     blanks: Blanks | None = None
     last: dict[tuple[int, ...], int] = field(default_factory=dict)    # n-gram -> the position it last ended at
     loose: dict[tuple[int, ...], int] = field(default_factory=dict)   # the same for n-grams with a blank, as -1
-    indexed: int = 0           # n-grams ending before this position are in `last`
-    shift: int = 0             # columns the output's lines are indented past the prompt's (at the latest match)
+    indexed: int = 0           # n-grams ending before this position are in `last` and `loose`
+    shift: int = 0             # columns the output's lines are indented past the prompt's (the latest match that
+    #                            lined up a line's indentation in the prompt with one in the output)
 
     def propose(self, prompt: list[int], output: list[int], k: int, ahead: list[int] | None = None) -> list[int]:
         """k tokens that followed the longest earlier occurrence (the latest one) of the sequence's last n tokens (the
         sequence: prompt + output, read in place, then `ahead`: tokens assumed to come, not indexed), or none. An
         occurrence that runs into the sequence's end repeats what followed it with its period (LZ77's overlapping
         copy): [7, 7, 7] proposes [7] * k, where vLLM's lookup proposes the one 7 that followed. With blanks, an
-        n-gram that matches only with its indentation taken loosely counts as of its length, after one that
-        matches exactly."""
+        n-gram may also match with its blanks taken loosely, as long as one that matches exactly, but after it; and
+        the indentation of lines read from the prompt is moved by `shift` (a line moved to the margin loses it, so
+        the proposal may be shorter than k)."""
         settled = len(prompt) + len(output)
         if ahead:
             output = output + ahead
@@ -105,9 +113,9 @@ class Lookup:
         for end in range(self.indexed, settled - 1):    # all but the n-grams ending at the last token: the suffix
             top = min(high, end + 1)
             gram = span(end + 1 - top, end + 1)
-            # the shortest n whose n-gram holds a blank (none: past top)
-            reach = top + 1 if blanks is None or blanks.widths.keys().isdisjoint(gram) else \
-                top - max(i for i, t in enumerate(gram) if t in blanks.widths)
+            reach = top + 1                   # the shortest n whose n-gram holds a blank
+            if blanks is not None and not blanks.widths.keys().isdisjoint(gram):
+                reach = top - max(i for i, t in enumerate(gram) if t in blanks.widths)
             for n in range(low, top + 1):
                 self.last[gram[top - n:]] = end
                 if n >= reach:
@@ -128,19 +136,29 @@ class Lookup:
                     self._align(span(end + 1 - n, end + 1), gram, len(prompt) - (end + 1 - n))
             if end is not None:        # what followed; where that reaches the present, it repeats with its period
                 out = list(span(end + 1, min(end + 1 + k, size)))
-                if self.shift:
-                    out = [blanks.shifted(t, self.shift) if end + 1 + i < len(prompt) else t
-                           for i, t in enumerate(out)]
                 period = size - end - 1
                 while len(out) < k:
                     out.append(out[len(out) - period])
-                return out
+                return self._indent(out, end + 1, period, prompt) if self.shift else out
         return []
 
+    def _indent(self, out: list[int], start: int, period: int, prompt: list[int]) -> list[int]:
+        """`out` (read from `start` on, with its period) with the indentation of the prompt's lines moved."""
+        moved = []
+        for i, t in enumerate(out):
+            at = start + i % period
+            if 0 < at < len(prompt) and prompt[at - 1] in self.blanks.breaks:
+                t = self.blanks.shifted(t, self.shift)
+            if t is not None:
+                moved.append(t)
+        return moved
+
     def _align(self, source: tuple[int, ...], gram: tuple[int, ...], in_prompt: int) -> None:
-        """Learn how far the output's indentation has moved from the prompt's: the last pair of space tokens a
-        match lines up (`in_prompt`: how many of the source's tokens are the prompt's)."""
-        widths = self.blanks.widths
-        for a, b in zip(source[:max(in_prompt, 0)], gram):
-            if widths.get(a) and widths.get(b):
+        """Learn how far the output's indentation has moved from the prompt's: the last pair of a line's indentation
+        (spaces after a line's end) a match lines up (`in_prompt`: how many of the source's tokens are the
+        prompt's; a line's end is a token a loose match takes as it is)."""
+        widths, breaks = self.blanks.widths, self.blanks.breaks
+        for i in range(1, min(in_prompt, len(gram))):
+            a, b = source[i], gram[i]
+            if source[i - 1] in breaks and widths.get(a) and widths.get(b):
                 self.shift = widths[b] - widths[a]
