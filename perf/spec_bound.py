@@ -18,7 +18,7 @@ import argparse
 
 from engine.config import EngineConfig
 from engine.core.engine import Engine
-from engine.core.ngram import Blanks, Lookup, NgramConfig
+from engine.core.ngram import NO_BLANKS, Blanks, Lookup, NgramConfig
 from engine.core.sampling import SamplingParams
 from engine.core.speculate import Costs, Pace
 from perf.bench_rows import step_ms
@@ -60,12 +60,12 @@ def tokens(engine: Engine, prompt: list[int], c: int, max_tokens: int) -> list[i
 
 
 def replay(prompt: list[int], out: list[int], ms: dict[int, float], c: int, k: int, policy: bool,
-           costs: Costs = Costs(4), most: int = 32, blanks: Blanks | None = None) -> float:
+           costs: Costs = Costs(4), most: int = 32, blanks: Blanks = NO_BLANKS) -> float:
     """Decode tok/s of the replay against c rows a one-row step each (see the module's docstring); `costs`: the
     runner's rows as the engine's draft lengths price them, `most`: the rows a step takes. The policy is the
     engine's (Speculator.drafts: skips, shadow drafts past the cheap rows, each sequence in turn its Pace.length). A
     step drafts no further than the engine lets it: the last token is never a draft. `blanks`: the vocabulary's
-    indentation tokens, as the engine's proposer has them (None: matched exactly)."""
+    indentation tokens, as the engine's proposer has them (NO_BLANKS: matched exactly)."""
     lookups, paces, at = [Lookup(NgramConfig(k, 2, 5), blanks) for _ in range(c)], [Pace() for _ in range(c)], [0] * c
     spent = 0.0
     while live := [s for s in range(c) if at[s] < len(out)]:
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
             out = tokens(engine, prompt, c, args.max_tokens)
             rows.append([name, c, len(out)] + [
                 f"{replay(prompt, out, ms, c, args.k, policy, priced, max(ROWS), found):.2f}"
-                for found in (blanks, None) for policy in (True, False)])
+                for found in (blanks, NO_BLANKS) for policy in (True, False)])
     print(f"{model}: {args.threads} threads, {cpu_model()}; k={args.k}, prompt_lookup 2-5; a step's ms by rows: "
           + ", ".join(f"{r}: {t:.1f}" for r, t in ms.items()))
     print(table(["workload", "conc", "tokens", "policy (x spec off)", "bound (x spec off)", "policy, exact",

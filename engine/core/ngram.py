@@ -65,6 +65,12 @@ class Blanks:
         widths = {t: 0 if "\t" in text else len(text) for t, text in texts.items()}
         return Blanks(widths, {w: t for t, w in widths.items() if w}, breaks)
 
+    def reach(self, gram: tuple[int, ...]) -> int:
+        """The shortest n whose last n tokens of `gram` hold a blank (past its length where none does)."""
+        if self.widths.keys().isdisjoint(gram):
+            return len(gram) + 1
+        return len(gram) - max(i for i, t in enumerate(gram) if t in self.widths)
+
     def loose(self, gram: tuple[int, ...]) -> tuple[int, ...]:
         """The n-gram with each blank as -1 (no token's id)."""
         return tuple(-1 if t in self.widths else t for t in gram)
@@ -78,11 +84,14 @@ class Blanks:
         return None if width + shift == 0 else self.spaces.get(width + shift, token)
 
 
+NO_BLANKS = Blanks({}, {}, frozenset())     # exact matching alone, as vLLM's lookup
+
+
 @dataclass(slots=True)
 class Lookup:
     """One sequence's n-gram index."""
     config: NgramConfig
-    blanks: Blanks | None = None
+    blanks: Blanks = NO_BLANKS
     last: dict[tuple[int, ...], int] = field(default_factory=dict)    # n-gram -> the position it last ended at
     loose: dict[tuple[int, ...], int] = field(default_factory=dict)   # the same for n-grams with a blank, as -1
     indexed: int = 0           # n-grams ending before this position are in `last` and `loose`
@@ -113,9 +122,7 @@ class Lookup:
         for end in range(self.indexed, settled - 1):    # all but the n-grams ending at the last token: the suffix
             top = min(high, end + 1)
             gram = span(end + 1 - top, end + 1)
-            reach = top + 1                   # the shortest n whose n-gram holds a blank
-            if blanks is not None and not blanks.widths.keys().isdisjoint(gram):
-                reach = top - max(i for i, t in enumerate(gram) if t in blanks.widths)
+            reach = blanks.reach(gram)
             for n in range(low, top + 1):
                 self.last[gram[top - n:]] = end
                 if n >= reach:
@@ -125,11 +132,11 @@ class Lookup:
             return []
         top = min(high, size - 1)
         suffix = span(size - top, size) if top >= low else ()
-        blank = blanks is not None and not blanks.widths.keys().isdisjoint(suffix)
+        reach = blanks.reach(suffix)
         for n in range(top, low - 1, -1):
             gram = suffix[top - n:]
             end = self.last.get(gram)
-            if blank and not blanks.widths.keys().isdisjoint(gram):
+            if n >= reach:
                 if end is None:
                     end = self.loose.get(blanks.loose(gram))
                 if end is not None:

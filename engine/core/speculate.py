@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from engine.core.lookahead import Span
-from engine.core.ngram import Blanks, Lookup, NgramConfig
+from engine.core.ngram import NO_BLANKS, Blanks, Lookup, NgramConfig
 from engine.core.request import Request
 from engine.runners.base import Row
 
@@ -99,7 +99,7 @@ class Pace:
 
 class Speculator:
     def __init__(self, config: NgramConfig, rows: int, costs: Costs, chain: bool = False,
-                 blanks: Blanks | None = None) -> None:
+                 blanks: Blanks = NO_BLANKS) -> None:
         """`rows`: the most rows a step of the runner takes in one pass; `costs`: what its rows cost; `chain`:
         launch verify steps from the step in flight (a runner whose steps run while the host works, with lookahead
         on); `blanks`: the vocabulary's indentation tokens, for the proposer."""
