@@ -16,7 +16,7 @@ from engine.models import widen
 from engine.models.loader import load_model
 from engine.runners.base import Geometry, Row, Sampled, flatten, in_order, logprob_rows
 from engine.runners.torch import attention as torch_attention
-from engine.runners.torch import calibrate, grammar, logprobs
+from engine.runners.torch import calibrate, grammar, heap, logprobs
 from engine.runners.torch.graphs import GraphDecode, plain
 from engine.runners.torch.host import upload
 from engine.runners.torch.logprobs import DeviceLogprobs
@@ -86,6 +86,8 @@ class TorchRunner:
         stack = self.model.stack
         self.step_rows = stack.max_rows if stack else cpu_gemv.MAX_ROWS if fused else max(8, max_batch_size)
         self.cheap_rows = stack.cheap_rows if stack else self.step_rows
+        if stack:
+            heap.keep(self.step_rows * self.vocab_size * 4)        # a step's fp32 logits
         self.overlaps = self.device.type == "cuda"
         if compile and fused:
             log.info("compile: decode runs the fused CPU kernels, which outrun the compiled graph; not compiling")
