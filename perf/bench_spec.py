@@ -1,5 +1,7 @@
 """N-gram speculative decoding on real weights: decode tok/s with speculation against without, per workload and k,
-at concurrency 1 and 4, ABBA pairs, greedy (both engines write the same tokens; EOS ends them). Input-grounded
+at concurrency 1 and 4, greedy (both engines write the same tokens; EOS ends them). A pair runs both engines in
+lockstep, a step of one and then a step of the other (which goes first alternates), each timed on its own steps, so
+that the VM's changes of speed, which move within seconds, fall on both alike. Input-grounded
 workloads (rewrite a code file with one name changed, repeat a passage with one sentence changed, continue a
 document that quotes itself), greedy free writing, and a control: free writing sampled (temperature 0.8).
 Random-weight presets do not copy their input, so the model is a real checkpoint: the registry's Gemma 3 270M
@@ -15,6 +17,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.config import EngineConfig
@@ -77,6 +80,69 @@ def run(engine: Engine, prompts: list[list[int]], max_tokens: int, **params) -> 
             m.spec_accepted._value.get() - accepted)
 
 
+@dataclass(slots=True)
+class Timed:
+    """One engine's share of a lockstep pair, on its own clock: decode tok/s, median TTFT, draft and accepted tokens."""
+    rate: float
+    ttft: float
+    drafted: float
+    accepted: float
+
+
+@dataclass(slots=True)
+class _Side:
+    engine: Engine
+    requests: int
+    got: dict[int, int] = field(default_factory=dict)         # tokens so far, by request
+    firsts: dict[int, float] = field(default_factory=dict)    # the clock at each request's first token
+    clock: float = 0.0                                         # seconds in this engine's own steps
+    decode: float = 0.0                                        # of those, once every request has its first token
+    tokens: int = 0                                            # tokens of those steps
+    spec: tuple[float, float] = (0.0, 0.0)                     # the draft and accepted counters at the start
+
+    def step(self) -> None:
+        began, before = len(self.got) == self.requests, sum(self.got.values())
+        start = time.perf_counter()
+        self.engine.step()
+        took = time.perf_counter() - start
+        self.clock += took
+        for rid in self.got.keys() - self.firsts.keys():
+            self.firsts[rid] = self.clock
+        if began:
+            self.decode += took
+            self.tokens += sum(self.got.values()) - before
+
+    def timed(self) -> Timed:
+        m = self.engine.metrics
+        rate = self.tokens / self.decode if self.decode else float("nan")
+        return Timed(rate, statistics.median(self.firsts.values()), m.spec_draft_tokens._value.get() - self.spec[0],
+                     m.spec_accepted._value.get() - self.spec[1])
+
+
+def lockstep(engines: list[Engine], prompts: list[list[int]], max_tokens: int, first: int = 0,
+             **params) -> list[Timed]:
+    """The same prompts through every engine at once (`params` as run's), a step of each in turn, the engine at
+    `first` starting and the order reversed each round. Each engine's clock runs only in its own steps: its decode
+    rate is the tokens of the steps after every request's first token over those steps' time, its TTFT each
+    request's own steps up to its first token."""
+    sides = []
+    for e in engines:
+        side = _Side(e, len(prompts), spec=(e.metrics.spec_draft_tokens._value.get(),
+                                            e.metrics.spec_accepted._value.get()))
+        e.on_delta = lambda d, got=side.got: got.__setitem__(d.request_id, got.get(d.request_id, 0) + len(d.token_ids))
+        for i, p in enumerate(prompts):
+            sampling = {"temperature": 0.0, **params} | ({"seed": i} if params else {})
+            e.add(e.make_request(p, SamplingParams(max_tokens=max_tokens, **sampling)))
+        sides.append(side)
+    order = sides[first:] + sides[:first]
+    while any(side.engine.has_work for side in sides):
+        for side in order:
+            if side.engine.has_work:
+                side.step()
+        order.reverse()
+    return [side.timed() for side in sides]
+
+
 def lookup_cost(tokenizer, prompt_tokens: int = 16384, steps: int = 2000) -> tuple[float, float]:
     """The proposer on a long prompt of code (the engine's own sources, whose indentation it also matches loosely):
     (ms to index it at the first proposal, µs per later step of one new token)."""
@@ -128,15 +194,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 run(on, prompts[:1], 8), run(off, prompts[:1], 8)                   # warm-up
                 a, b = [], []
                 for i in range(args.pairs):
-                    for engine in ((on, off) if i % 2 == 0 else (off, on)):
-                        (a if engine is on else b).append(run(engine, prompts, args.max_tokens,
-                                                              **SAMPLED.get(name, {})))
-                pair = paired([x[0] for x in a], [x[0] for x in b])
-                drafted, taken = sum(x[2] for x in a), sum(x[3] for x in a)
+                    x, y = lockstep([on, off], prompts, args.max_tokens, i % 2, **SAMPLED.get(name, {}))
+                    a.append(x), b.append(y)
+                pair = paired([x.rate for x in a], [x.rate for x in b])
+                drafted, taken = sum(x.drafted for x in a), sum(x.accepted for x in a)
                 row = {"workload": name, "k": k, "concurrency": c, "on_tok_s": pair.pagoda, "off_tok_s": pair.peer,
                        "ratio": pair.ratio, "low": pair.low, "high": pair.high, "acceptance": taken / drafted
-                       if drafted else None, "ttft_on_s": statistics.median(x[1] for x in a),
-                       "ttft_off_s": statistics.median(x[1] for x in b)}
+                       if drafted else None, "ttft_on_s": statistics.median(x.ttft for x in a),
+                       "ttft_off_s": statistics.median(x.ttft for x in b)}
                 out.append(row)
                 rows.append([name, k, c, f"{pair.pagoda:.1f}", f"{pair.peer:.1f}",
                              f"{pair.ratio:.2f} ({pair.low:.2f}-{pair.high:.2f})",
@@ -146,8 +211,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     index_ms, step_us = lookup_cost(off.tokenizer)
     print(f"proposer on a 16,384-token prompt of code: {index_ms:.1f} ms to index it (once), {step_us:.1f} µs a "
           "step after")
-    print(f"{Path(model).name}, {args.max_tokens} new tokens at most (greedy, EOS ends), {args.pairs} ABBA pairs, "
-          f"{args.threads} threads, prompt_lookup {args.lookup[0]}-{args.lookup[1]}; {cpu_model()}")
+    print(f"{Path(model).name}, {args.max_tokens} new tokens at most (greedy, EOS ends), {args.pairs} pairs in "
+          f"lockstep, {args.threads} threads, prompt_lookup {args.lookup[0]}-{args.lookup[1]}; {cpu_model()}")
     print("rows as the engine priced them at load: " + "; ".join(priced))
     print(table(["workload", "k", "conc", "spec tok/s", "off tok/s", "ratio (pairs' range)", "accepted/draft",
                  "TTFT on/off ms"], rows))

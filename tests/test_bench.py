@@ -201,6 +201,27 @@ def test_bench_spec_prints_each_workload_against_speculation_off(tiny_dir, tmp_p
     assert "rows as the engine priced them at load: k=2: " in out
 
 
+def test_bench_spec_lockstep_times_each_engine_on_its_own_steps(tiny_dir, monkeypatch):
+    import types
+
+    from engine.config import EngineConfig
+    from engine.core.engine import Engine
+    from perf import bench_spec
+    clock, seen = [0.0], []
+    monkeypatch.setattr(bench_spec, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    engines = [Engine(EngineConfig(model=tiny_dir, max_batch_size=2)) for _ in range(2)]
+    for name, e, cost in (("a", engines[0], 1.0), ("b", engines[1], 3.0)):    # seconds a step, on a fake clock
+        def step(step=e.step, name=name, cost=cost):
+            step()
+            seen.append(name)
+            clock[0] += cost
+        e.step = step
+    a, b = bench_spec.lockstep(engines, [[5, 6, 7, 8]] * 2, 6, first=1)
+    # two requests' token a step once both have their first (from the prefill step), on each engine's own clock
+    assert (a.rate, a.ttft, b.rate, b.ttft) == (2.0, 1.0, 2 / 3, 3.0)
+    assert seen == ["b", "a", "a", "b"] * 3 and a.drafted == b.drafted == 0
+
+
 def test_bench_rows_times_every_row_count(tiny_dir, capsys):
     from perf import bench_rows
     times = bench_rows.main(["--model", tiny_dir, "--rows", "1", "3", "--repeats", "2", "--tokens", "6"])
