@@ -38,3 +38,11 @@ def test_keep_serves_a_large_step_buffer_from_the_heap():
 
 def test_keep_leaves_what_glibc_keeps_already():
     assert heap.keep(16 << 20) is False
+
+
+def test_a_cpu_runner_keeps_a_decode_steps_logits(tiny_dir, monkeypatch):
+    from engine.runners.torch.runner import TorchRunner
+    kept = []
+    monkeypatch.setattr(heap, "keep", kept.append)
+    runner = TorchRunner(tiny_dir, device="cpu", max_batch_size=48)
+    assert kept == [max(runner.step_rows, 48) * runner.vocab_size * 4]

@@ -2,7 +2,8 @@
 mmap threshold) with a fresh mapping and unmaps it when it is freed, so a buffer that size, allocated each step,
 faults its pages in again each step: a step of 32 rows of Gemma 3's 262,144 logits is 32 MiB, and its head took
 about 1.4x as long as at 31 rows (docs/cpu-kernels.md). Raising the threshold past a step's logits keeps them in the
-heap, where the next step's allocation reuses the same pages."""
+heap, where the next step's allocation reuses the same pages. The runner sizes it by its widest decode step: a step's
+rows through the block kernels, or its batch (a float model's steps past 8 rows go through torch's GEMM)."""
 from __future__ import annotations
 
 import ctypes

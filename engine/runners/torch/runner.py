@@ -86,8 +86,8 @@ class TorchRunner:
         stack = self.model.stack
         self.step_rows = stack.max_rows if stack else cpu_gemv.MAX_ROWS if fused else max(8, max_batch_size)
         self.cheap_rows = stack.cheap_rows if stack else self.step_rows
-        if stack:
-            heap.keep(self.step_rows * self.vocab_size * 4)        # a step's fp32 logits
+        if self.device.type == "cpu":                               # a decode step's fp32 logits
+            heap.keep(max(self.step_rows, max_batch_size) * self.vocab_size * 4)
         self.overlaps = self.device.type == "cuda"
         if compile and fused:
             log.info("compile: decode runs the fused CPU kernels, which outrun the compiled graph; not compiling")
