@@ -14,18 +14,24 @@ from engine.core.speculate import MAX_SKIP, Costs, Pace, Speculator
 def brute(ids: list[int], low: int, high: int, k: int, blank: frozenset[int] = frozenset()) -> list[int]:
     """The definition: the longest n in [low, high] whose last-n tokens occur earlier (exactly, or else with any
     `blank` for any other: an exact occurrence first at a length); what followed their latest occurrence, read on
-    past the sequence's end as the sequence repeating from there."""
+    past the sequence's end as the sequence repeating from there; for an exact one that occurred before that too,
+    only as far as what followed both is the same."""
     def norm(seq):
         return [-1 if t in blank else t for t in seq]
     for n in range(min(high, len(ids) - 1), low - 1, -1):
         suffix = ids[-n:]
-        for same in (lambda a: a == suffix, lambda a: norm(a) == norm(suffix)):
-            for end in range(len(ids) - 2, n - 2, -1):
-                if same(ids[end + 1 - n:end + 1]):
-                    seq = list(ids)
-                    for i in range(k):
-                        seq.append(seq[end + 1 + i])
-                    return seq[end + 1:end + 1 + k]
+        for exact, same in ((True, lambda a: a == suffix), (False, lambda a: norm(a) == norm(suffix))):
+            ends = [end for end in range(len(ids) - 2, n - 2, -1) if same(ids[end + 1 - n:end + 1])]
+            if ends:
+                end, seq = ends[0], list(ids)
+                for i in range(k):
+                    seq.append(seq[end + 1 + i])
+                out = seq[end + 1:end + 1 + k]
+                if exact and len(ends) > 1:
+                    prior = ends[1]
+                    out = out[:next((i for i in range(min(k, len(ids) - end - 1))
+                                     if ids[prior + 1 + i] != ids[end + 1 + i]), k)]
+                return out
     return []
 
 
@@ -57,6 +63,18 @@ def test_blanks_match_any_blank_as_the_definition_says():
         for _ in range(80):
             assert lookup.propose(prompt, output, 4) == brute(prompt + output, low, high, 4, frozenset({4, 5}))
             output += [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+
+
+def test_a_proposal_stops_where_two_occurrences_part():
+    # "if the prompt is a <word>, then the answer": after "is a", the word is a guess between the two before
+    prompt = [1, 2, 3, 10, 4, 5, 6, 7, 1, 2, 3, 11, 4, 5, 6, 7]
+    assert Lookup(NgramConfig(5, 2, 3)).propose(prompt, [9, 1, 2, 3], 5) == []
+    # after the word, ", then" follows both, and then one goes on with the output (9), the other with 1
+    assert Lookup(NgramConfig(5, 2, 3)).propose(prompt, [9, 1, 2, 3, 12, 4, 5], 4) == [6, 7]
+    # parting later: as far as both agree
+    assert Lookup(NgramConfig(5, 2, 2)).propose([1, 2, 3, 4, 5, 1, 2, 3, 4, 6], [1, 2], 5) == [3, 4]
+    # once: what followed it, as before
+    assert Lookup(NgramConfig(5, 2, 2)).propose([1, 2, 3, 4, 5], [1, 2], 5) == [3, 4, 5, 1, 2]
 
 
 def test_code_re_indented_is_proposed_with_the_output_indentation():

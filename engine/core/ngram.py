@@ -93,6 +93,7 @@ class Lookup:
     config: NgramConfig
     blanks: Blanks = NO_BLANKS
     last: dict[tuple[int, ...], int] = field(default_factory=dict)    # n-gram -> the position it last ended at
+    before: dict[tuple[int, ...], int] = field(default_factory=dict)  # the position it ended at before that
     loose: dict[tuple[int, ...], int] = field(default_factory=dict)   # the same for n-grams with a blank, as -1
     indexed: int = 0           # n-grams ending before this position are in `last` and `loose`
     shift: int = 0             # columns the output's lines are indented past the prompt's (the latest match that
@@ -105,7 +106,9 @@ class Lookup:
         copy): [7, 7, 7] proposes [7] * k, where vLLM's lookup proposes the one 7 that followed. With blanks, an
         n-gram may also match with its blanks taken loosely, as long as one that matches exactly, but after it; and
         the indentation of lines read from the prompt is moved by `shift` (a line moved to the margin loses it, so
-        the proposal may be shorter than k)."""
+        the proposal may be shorter than k). Where an exact n-gram occurred before its latest occurrence too, the
+        proposal stops where what followed the two parts: the token there is a guess between them, and a wrong
+        draft costs its row and every row after it."""
         settled = len(prompt) + len(output)
         if ahead:
             output = output + ahead
@@ -124,7 +127,10 @@ class Lookup:
             gram = span(end + 1 - top, end + 1)
             reach = blanks.reach(gram)
             for n in range(low, top + 1):
-                self.last[gram[top - n:]] = end
+                key = gram[top - n:]
+                if (seen := self.last.get(key)) is not None:
+                    self.before[key] = seen
+                self.last[key] = end
                 if n >= reach:
                     self.loose[blanks.loose(gram[top - n:])] = end
         self.indexed = max(self.indexed, settled - 1)
@@ -136,6 +142,7 @@ class Lookup:
         for n in range(top, low - 1, -1):
             gram = suffix[top - n:]
             end = self.last.get(gram)
+            prior = self.before.get(gram) if end is not None else None
             if n >= reach:
                 if end is None:
                     end = self.loose.get(blanks.loose(gram))
@@ -146,6 +153,9 @@ class Lookup:
                 period = size - end - 1
                 while len(out) < k:
                     out.append(out[len(out) - period])
+                if prior is not None:
+                    out = out[:next((i for i in range(min(k, period)) if span(prior + 1 + i, prior + 2 + i)
+                                     != span(end + 1 + i, end + 2 + i)), k)]
                 return self._indent(out, end + 1, period, prompt) if self.shift else out
         return []
 
