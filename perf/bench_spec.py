@@ -59,25 +59,35 @@ def prompt_of(engine: Engine, text: str) -> list[int]:
     return tok.encode_prompt(text)
 
 
-def run(engine: Engine, prompts: list[list[int]], max_tokens: int, **params) -> tuple[float, float, float, float]:
-    """All prompts at once (`params`: more SamplingParams, seeded by the prompt's index): (aggregate decode tok/s,
-    median TTFT s, draft tokens, accepted tokens)."""
-    times: dict[int, list[float]] = {}
+def counts(engine: Engine) -> tuple[float, float]:
+    """The engine's draft and accepted tokens so far."""
     m = engine.metrics
-    drafted, accepted = m.spec_draft_tokens._value.get(), m.spec_accepted._value.get()
-    engine.on_delta = lambda d: times.setdefault(d.request_id, []).extend([time.perf_counter()] * len(d.token_ids))
-    start = time.perf_counter()
+    return m.spec_draft_tokens._value.get(), m.spec_accepted._value.get()
+
+
+def add(engine: Engine, prompts: list[list[int]], max_tokens: int, **params) -> None:
+    """The prompts as requests, greedy unless `params` (more SamplingParams) say otherwise, then seeded by index."""
     for i, p in enumerate(prompts):
         sampling = {"temperature": 0.0, **params} | ({"seed": i} if params else {})
         engine.add(engine.make_request(p, SamplingParams(max_tokens=max_tokens, **sampling)))
+
+
+def run(engine: Engine, prompts: list[list[int]], max_tokens: int, **params) -> tuple[float, float, float, float]:
+    """All prompts at once (`params` as add's): (aggregate decode tok/s, median TTFT s, draft tokens, accepted
+    tokens)."""
+    times: dict[int, list[float]] = {}
+    drafted, accepted = counts(engine)
+    engine.on_delta = lambda d: times.setdefault(d.request_id, []).extend([time.perf_counter()] * len(d.token_ids))
+    start = time.perf_counter()
+    add(engine, prompts, max_tokens, **params)
     while engine.has_work:
         engine.step()
     firsts = [t[0] for t in times.values() if t]
     tokens = sum(len(t) - 1 for t in times.values())
     span = max(t[-1] for t in times.values()) - min(firsts)
     rate = tokens / span if len(prompts) > 1 else decode_rate(next(iter(times.values())))
-    return (rate, statistics.median(f - start for f in firsts), m.spec_draft_tokens._value.get() - drafted,
-            m.spec_accepted._value.get() - accepted)
+    now = counts(engine)
+    return rate, statistics.median(f - start for f in firsts), now[0] - drafted, now[1] - accepted
 
 
 @dataclass(slots=True)
@@ -113,26 +123,22 @@ class _Side:
             self.tokens += sum(self.got.values()) - before
 
     def timed(self) -> Timed:
-        m = self.engine.metrics
         rate = self.tokens / self.decode if self.decode else float("nan")
-        return Timed(rate, statistics.median(self.firsts.values()), m.spec_draft_tokens._value.get() - self.spec[0],
-                     m.spec_accepted._value.get() - self.spec[1])
+        drafted, accepted = counts(self.engine)
+        return Timed(rate, statistics.median(self.firsts.values()), drafted - self.spec[0], accepted - self.spec[1])
 
 
 def lockstep(engines: list[Engine], prompts: list[list[int]], max_tokens: int, first: int = 0,
              **params) -> list[Timed]:
-    """The same prompts through every engine at once (`params` as run's), a step of each in turn, the engine at
+    """The same prompts through every engine at once (`params` as add's), a step of each in turn, the engine at
     `first` starting and the order reversed each round. Each engine's clock runs only in its own steps: its decode
     rate is the tokens of the steps after every request's first token over those steps' time, its TTFT each
     request's own steps up to its first token."""
     sides = []
     for e in engines:
-        side = _Side(e, len(prompts), spec=(e.metrics.spec_draft_tokens._value.get(),
-                                            e.metrics.spec_accepted._value.get()))
+        side = _Side(e, len(prompts), spec=counts(e))
         e.on_delta = lambda d, got=side.got: got.__setitem__(d.request_id, got.get(d.request_id, 0) + len(d.token_ids))
-        for i, p in enumerate(prompts):
-            sampling = {"temperature": 0.0, **params} | ({"seed": i} if params else {})
-            e.add(e.make_request(p, SamplingParams(max_tokens=max_tokens, **sampling)))
+        add(e, prompts, max_tokens, **params)
         sides.append(side)
     order = sides[first:] + sides[:first]
     while any(side.engine.has_work for side in sides):

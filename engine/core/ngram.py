@@ -132,7 +132,7 @@ class Lookup:
                     self.before[key] = seen
                 self.last[key] = end
                 if n >= reach:
-                    self.loose[blanks.loose(gram[top - n:])] = end
+                    self.loose[blanks.loose(key)] = end
         self.indexed = max(self.indexed, settled - 1)
         if k <= 0:
             return []
@@ -153,9 +153,9 @@ class Lookup:
                 period = size - end - 1
                 while len(out) < k:
                     out.append(out[len(out) - period])
-                if prior is not None:
-                    out = out[:next((i for i in range(min(k, period)) if span(prior + 1 + i, prior + 2 + i)
-                                     != span(end + 1 + i, end + 2 + i)), k)]
+                if prior is not None:        # as far as what followed the occurrence before agrees
+                    seen = span(prior + 1, prior + 1 + min(k, period))
+                    out = out[:next((i for i, (a, b) in enumerate(zip(seen, out)) if a != b), k)]
                 return self._indent(out, end + 1, period, prompt) if self.shift else out
         return []
 
